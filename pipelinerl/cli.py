@@ -1,0 +1,48 @@
+"""The `pipelinerl` command: run, serve, and the tools around them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipelinerl.launch import main as launch_main
+
+    return launch_main(args.recipe, args.overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pipelinerl import serve
+
+    serve.main(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pipelinerl import serve
+
+    parser = argparse.ArgumentParser(prog="pipelinerl", description="Pipelined RL for LLM reasoners with "
+                                     "in-flight weight updates.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a recipe end to end",
+                         description="Run a recipe: engines, actor, rewards and trainer as separate processes.")
+    run.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny_cpu.yaml")
+    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6")
+    run.set_defaults(func=_run)
+
+    srv = sub.add_parser("serve", help="serve a model through the inference contract",
+                         description="Start an inference server implementing the pipelinerl contract.")
+    serve.add_arguments(srv)
+    srv.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Structured configuration: one dataclass per component, merged from defaults, a recipe YAML and CLI overrides.
+
+A run never starts half-configured: unknown keys, wrong types, bad values and missing required values all
+fail in `load_config` with a `ConfigError` that names the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+BACKENDS = ("gloo", "nccl")
+ENGINES = ("embedded", "vllm", "sglang")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key and its source in the message."""
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _check_choice(value: str, choices: tuple[str, ...], key: str) -> None:
+    _check(value in choices, key, f"must be one of {', '.join(choices)}, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING  # local directory with a Hugging Face model (or a hub name where a hub is reachable)
+    dtype: str = "float32"  # bfloat16 on GPUs
+
+    def __post_init__(self) -> None:
+        _check_choice(self.dtype, DTYPES, "model.dtype")
+
+
+@dataclass
+class EngineConfig:
+    kind: str = "embedded"
+    num_engines: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 8100  # engine i listens on base_port + i
+    max_running_seqs: int = 64  # sequences decoded together; more wait in the queue
+    max_batch_tokens: int = 16384  # KV-cache tokens held by running sequences
+    max_model_len: int = 512  # prompt + generated tokens per sequence
+    threads: int = 1  # CPU threads for the engine's torch ops
+
+    def __post_init__(self) -> None:
+        _check_choice(self.kind, ENGINES, "engine.kind")
+        _check(self.num_engines >= 1, "engine.num_engines", "must be at least 1")
+        _check(1 <= self.base_port <= 65535, "engine.base_port", "must be a TCP port")
+        _check(self.max_running_seqs >= 1, "engine.max_running_seqs", "must be at least 1")
+        _check(self.max_model_len >= 2, "engine.max_model_len", "must be at least 2")
+        _check(self.max_batch_tokens >= self.max_model_len, "engine.max_batch_tokens",
+               "must be at least engine.max_model_len so one full sequence fits")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 64
+    group_size: int = 8  # attempts per prompt (G)
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, "sampling.temperature", "must be >= 0")
+        _check(0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "sampling.top_k", "must be >= 0")
+        _check(self.max_new_tokens >= 1, "sampling.max_new_tokens", "must be at least 1")
+        _check(self.group_size >= 1, "sampling.group_size", "must be at least 1")
+
+
+@dataclass
+class WeightSyncConfig:
+    backend: str = "gloo"  # nccl on GPUs
+    master_address: str = "127.0.0.1"
+    master_port: int = 29600
+    group_name: str = "weight_update"
+    bucket_mb: float = 64.0  # 0 sends one broadcast per tensor
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _check_choice(self.backend, BACKENDS, "weight_sync.backend")
+        _check(1 <= self.master_port <= 65535, "weight_sync.master_port", "must be a TCP port")
+        _check(self.bucket_mb >= 0, "weight_sync.bucket_mb", "must be >= 0")
+        _check(self.timeout_s > 0, "weight_sync.timeout_s", "must be > 0")
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"  # or cosine
+    grad_clip: float = 1.0
+    samples_per_step: int = 64
+    micro_batch_tokens: int = 4096
+    policy_loss: str = "reinforce_is"  # reinforce_is | ppo_clip | decoupled_ppo | gspo
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp_baseline
+    aggregation: str = "token_sum_norm"  # token_sum_norm | token_mean | seq_mean
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    is_cap: float = 5.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    ref_reset_every: int = 0  # 0 never resets the reference policy
+    max_steps: int = 100
+    save_every: int = 0  # 0 saves only at the end
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "trainer.lr", "must be > 0")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
+               "must be two numbers in [0, 1)")
+        _check_choice(self.schedule, ("constant", "cosine"), "trainer.schedule")
+        _check_choice(self.policy_loss, ("reinforce_is", "ppo_clip", "decoupled_ppo", "gspo"),
+                      "trainer.policy_loss")
+        _check_choice(self.advantage, ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"), "trainer.advantage")
+        _check_choice(self.aggregation, ("token_sum_norm", "token_mean", "seq_mean"), "trainer.aggregation")
+        _check_choice(self.kl_estimator, ("k1", "k2", "k3"), "trainer.kl_estimator")
+        _check(self.samples_per_step >= 1, "trainer.samples_per_step", "must be at least 1")
+        _check(self.max_steps >= 1, "trainer.max_steps", "must be at least 1")
+
+
+@dataclass
+class ActorConfig:
+    max_lag: int = 4  # versions; 0 is synchronous RL
+    concurrency: int = 32  # requests in flight per engine
+    dynamic_sampling: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_lag >= 0, "actor.max_lag", "must be >= 0")
+        _check(self.concurrency >= 1, "actor.concurrency", "must be at least 1")
+
+
+@dataclass
+class RewardConfig:
+    workers: int = 1
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check(self.workers >= 1, "reward.workers", "must be at least 1")
+        _check(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = MISSING
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+def _merge(base: DictConfig, other: DictConfig, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"{source}: bad key {key!r}: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0]
+
+
+def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                schema: type = RunConfig) -> Any:
+    """Defaults <- recipe YAML <- dotted overrides (`trainer.lr=1e-6`), validated, as a dataclass instance."""
+    cfg = OmegaConf.structured(schema)
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe {str(path)!r} does not exist")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as e:  # YAML syntax errors carry the line number in their text
+            raise ConfigError(f"{path}: cannot parse YAML: {e}") from None
+        cfg = _merge(cfg, loaded, str(path))
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"command line: override {bad[0]!r} must look like key=value")
+        cfg = _merge(cfg, OmegaConf.from_dotlist(overrides), "command line")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        where = f" (set it in {recipe} or on the command line)" if recipe else " (set it on the command line)"
+        raise ConfigError(f"missing required value: {', '.join(missing)}{where}")
+    try:
+        return OmegaConf.to_object(cfg)
+    except ConfigError as e:
+        source = f"{recipe} / command line" if recipe else "command line"
+        raise ConfigError(f"{source}: {e}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad key {getattr(e, 'full_key', '?')!r}: {_first_line(e)}") from None
+
+
+def to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_resolved_config(cfg: Any, run_dir: str | os.PathLike) -> Path:
+    """Write the fully resolved config as `config.yaml` in the run directory."""
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_yaml(cfg))
+    return out

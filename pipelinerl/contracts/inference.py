@@ -1,0 +1,192 @@
+"""The inference contract: the HTTP messages between the pipeline (actor, trainer) and an inference engine.
+
+These pydantic models are the single source of the contract; `contracts/openapi.json` is generated from
+them (`make openapi`) and `contracts/README.md` explains the semantics. Every request model forbids unknown
+fields, so a typo is an error naming the field instead of a silently ignored option.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CONTRACT_VERSION = "1.0"
+
+DType = Literal["float32", "bfloat16", "float16"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- generation ---------------------------------------------------------------------------------------------
+
+
+class SamplingParams(_Strict):
+    """How tokens are drawn. `temperature: 0` is greedy decoding.
+
+    The log-probability reported for a sampled token is log softmax(logits / temperature) at that token
+    (temperature 1 when greedy), before top-k and top-p truncation: the trainer can recompute it from the
+    same logits, so it serves as the behaviour policy's log-probability.
+    """
+
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_new_tokens: int = Field(16, ge=1, le=1_000_000)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
+    ignore_eos: bool = Field(False, description="if false, the model's EOS token ids also stop generation")
+    n: int = Field(1, ge=1, le=1024, description="samples drawn for the prompt")
+    seed: int | None = Field(None, ge=0, description="makes sampling reproducible for this request")
+
+
+class GenerateRequest(_Strict):
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    request_id: str | None = Field(None, max_length=256, description="for /v1/abort; generated if absent")
+
+
+class Completion(_Strict):
+    token_ids: list[int]
+    logprobs: list[float] = Field(description="log-probability of each sampled token, see SamplingParams")
+    versions: list[int] = Field(description="weight version that produced each token")
+    finish_reason: FinishReason
+
+
+class GenerateResponse(_Strict):
+    request_id: str
+    prompt_len: int
+    completions: list[Completion] = Field(description="n completions, in sample order")
+
+
+# --- weight updates ------------------------------------------------------------------------------------------
+
+
+class InitWeightUpdateGroupRequest(_Strict):
+    """Join the trainer's weight-update group. The trainer is rank 0; an engine's ranks start at rank_offset.
+
+    The call returns when the group is formed, so the trainer sends it to every engine concurrently while it
+    joins the group itself.
+    """
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    backend: Literal["nccl", "gloo"] = "nccl"
+    group_name: str = Field("weight_update", min_length=1)
+    timeout_s: float = Field(120.0, gt=0)
+
+
+class ParamSpec(_Strict):
+    name: str = Field(min_length=1)
+    dtype: DType
+    shape: list[Annotated[int, Field(ge=0)]]
+
+
+class UpdateWeightsRequest(_Strict):
+    """Receive new weights by broadcast from rank 0 of the group, then switch to them.
+
+    The trainer posts this and broadcasts the tensors in `params` order at the same time (wire format:
+    `pipelinerl.weight_sync`). In-flight semantics: generation goes on while the tensors arrive; the engine
+    switches at a step boundary; running requests keep their KV cache and continue, and every token produced
+    after the switch carries `version`. A request whose names, dtypes or shapes do not match the model is
+    refused with 4xx after the broadcast is drained, leaving the weights exactly as they were.
+    """
+
+    version: int = Field(ge=0)
+    params: list[ParamSpec] = Field(min_length=1)
+    group_name: str = Field("weight_update", min_length=1)
+    bucket_bytes: int = Field(0, ge=0, description="0: one broadcast per tensor; >0: packed byte buckets")
+
+
+class UpdateWeightsResponse(_Strict):
+    version: int
+    received_bytes: int
+    receive_s: float = Field(description="seconds from the request to the last byte received")
+    switch_s: float = Field(description="seconds generation was paused to switch to the new weights")
+
+
+class AbortRequest(_Strict):
+    request_id: str | None = Field(None, description="the request to abort; all running requests if absent")
+
+
+class AbortResponse(_Strict):
+    aborted: list[str]
+
+
+# --- status --------------------------------------------------------------------------------------------------
+
+
+class HealthResponse(_Strict):
+    status: Literal["ok"] = "ok"
+    contract_version: str = CONTRACT_VERSION
+
+
+class InfoResponse(_Strict):
+    contract_version: str = CONTRACT_VERSION
+    engine: str
+    model: str
+    weight_version: int
+    max_model_len: int
+    vocab_size: int
+    max_running_seqs: int
+    eos_token_ids: list[int]
+    weight_group: str | None = Field(None, description="the weight-update group joined, if any")
+
+
+class ErrorDetail(_Strict):
+    type: str
+    message: str
+    field: str | None = None
+
+
+class ErrorResponse(_Strict):
+    error: ErrorDetail
+
+
+# --- OpenAI-style text completions (for standard clients and eval tools) -------------------------------------
+
+
+class CompletionsRequest(BaseModel):
+    """The subset of OpenAI's /v1/completions that the engines serve; unknown OpenAI options are ignored."""
+
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1, le=1_000_000)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    n: int = Field(1, ge=1, le=1024)
+    seed: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=1)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+
+
+class CompletionsChoiceLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+
+
+class CompletionsChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason
+    logprobs: CompletionsChoiceLogprobs | None = None
+
+
+class CompletionsUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionsResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionsChoice]
+    usage: CompletionsUsage

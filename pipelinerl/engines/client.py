@@ -1,0 +1,141 @@
+"""A client of the inference contract, used by the actor, the trainer, the eval harness and the tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from pipelinerl.contracts.inference import (
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    InitWeightUpdateGroupRequest,
+    ParamSpec,
+    SamplingParams,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
+from pipelinerl.weight_sync import DTYPE_NAMES, WeightUpdateGroup, broadcast_tensors
+
+
+class EngineError(RuntimeError):
+    """The engine answered with an error; `status` and `field` come from its JSON body."""
+
+    def __init__(self, url: str, status: int, body: Any):
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        self.status, self.field = status, err.get("field")
+        self.message = err.get("message") or str(body)
+        super().__init__(f"{url} answered {status}: {self.message}")
+
+
+def _check(resp: httpx.Response) -> Any:
+    try:
+        body = resp.json()
+    except ValueError:
+        body = resp.text
+    if resp.status_code >= 400:
+        raise EngineError(str(resp.url), resp.status_code, body)
+    return body
+
+
+class EngineClient:
+    """Blocking calls to one engine. Thread-safe (httpx.Client is)."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def health(self) -> bool:
+        try:
+            return self._http.get("/v1/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout_s: float = 120.0, process: Any = None) -> None:
+        """Poll /v1/health; fail early if `process` (a Popen) exits."""
+        deadline = time.monotonic() + timeout_s
+        while not self.health():
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"engine at {self.url} exited with code {process.returncode} before healthy")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine at {self.url} not healthy after {timeout_s:g}s")
+            time.sleep(0.1)
+
+    def info(self) -> InfoResponse:
+        return InfoResponse.model_validate(_check(self._http.get("/v1/info")))
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus text parsed into {name: value} (labels dropped)."""
+        out: dict[str, float] = {}
+        for line in _check_text(self._http.get("/metrics")).splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name.split("{")[0]] = float(value)
+        return out
+
+    def generate(self, prompt_token_ids: Sequence[int], request_id: str | None = None,
+                 **sampling: Any) -> GenerateResponse:
+        req = GenerateRequest(prompt_token_ids=list(prompt_token_ids), request_id=request_id,
+                              sampling=SamplingParams(**sampling))
+        return GenerateResponse.model_validate(_check(self._http.post("/v1/generate", json=req.model_dump())))
+
+    def post(self, path: str, body: Any) -> Any:
+        return _check(self._http.post(path, json=body))
+
+    def abort(self, request_id: str | None = None) -> list[str]:
+        return self.post("/v1/abort", {"request_id": request_id})["aborted"]
+
+    def init_weight_update_group(self, req: InitWeightUpdateGroupRequest) -> None:
+        self.post("/v1/weights/init_group", req.model_dump())
+
+    def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
+        return UpdateWeightsResponse.model_validate(self.post("/v1/weights/update", req.model_dump()))
+
+
+def _check_text(resp: httpx.Response) -> str:
+    if resp.status_code >= 400:
+        _check(resp)
+    return resp.text
+
+
+def param_specs(named: Sequence[tuple[str, Any]]) -> list[ParamSpec]:
+    return [ParamSpec(name=n, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape)) for n, t in named]
+
+
+def push_weights(group: WeightUpdateGroup, engines: Sequence[EngineClient], named: Sequence[tuple[str, Any]],
+                 version: int, bucket_bytes: int = 0) -> list[UpdateWeightsResponse]:
+    """Rank 0: post the update to every engine and broadcast the tensors at the same time.
+
+    The engines' HTTP calls return only after they received the broadcast and switched, so they run on
+    threads while this thread broadcasts. Raises the first engine error after the broadcast has finished.
+    """
+    req = UpdateWeightsRequest(version=version, params=param_specs(named), group_name=group.group_name,
+                               bucket_bytes=bucket_bytes)
+    with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
+        futures = [pool.submit(e.update_weights, req) for e in engines]
+        broadcast_tensors(group, [t for _, t in named], bucket_bytes)
+        return [f.result() for f in futures]
+
+
+def init_group_on_engines(engines: Sequence[EngineClient], master_address: str, master_port: int,
+                          backend: str, group_name: str, timeout_s: float,
+                          ranks_per_engine: int = 1) -> tuple[int, list[Any]]:
+    """Start every engine joining the group (on threads); returns (world_size, futures) so the caller can
+    join as rank 0 and then wait on the futures."""
+    world_size = 1 + ranks_per_engine * len(engines)
+    pool = ThreadPoolExecutor(max_workers=max(1, len(engines)))
+    futures = []
+    for i, e in enumerate(engines):
+        req = InitWeightUpdateGroupRequest(master_address=master_address, master_port=master_port,
+                                           rank_offset=1 + i * ranks_per_engine, world_size=world_size,
+                                           backend=backend, group_name=group_name, timeout_s=timeout_s)
+        futures.append(pool.submit(e.init_weight_update_group, req))
+    pool.shutdown(wait=False)
+    return world_size, futures

@@ -1,0 +1,533 @@
+"""The embedded engine: continuous batching on one thread, in-flight weight updates received on another.
+
+Data flow: HTTP handlers (asyncio) validate a request and queue it; the engine thread admits queued requests
+between decode steps (prefill once per prompt, its KV cache copied to the n samples), decodes all running
+sequences together, and resolves each request's future when its last sample ends. A weight update is received
+into staging buffers on a worker thread while decoding goes on; the engine thread copies the staged tensors
+into the model at the next step boundary, so running sequences continue from their KV cache under the new
+weights and every later token carries the new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from pipelinerl.contracts.inference import (
+    Completion,
+    CompletionsChoice,
+    CompletionsChoiceLogprobs,
+    CompletionsRequest,
+    CompletionsResponse,
+    CompletionsUsage,
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    InitWeightUpdateGroupRequest,
+    ParamSpec,
+    SamplingParams,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+)
+from pipelinerl.engines.embedded.model_runner import copy_slot, make_runner
+from pipelinerl.engines.embedded.sampling import sample
+from pipelinerl.engines.server import ContractError
+from pipelinerl.weight_sync import (
+    DTYPE_NAMES,
+    DTYPES,
+    TensorSpec,
+    WeightSyncError,
+    WeightUpdateGroup,
+    init_weight_update_group,
+    receive_tensors,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSettings:
+    max_running_seqs: int = 64
+    max_batch_tokens: int = 16384
+    max_model_len: int = 512
+    initial_version: int = 0
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int
+    stop: frozenset[int]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    seqs: list[_Seq] = field(default_factory=list)
+    aborted: bool = False
+    done_count: int = 0
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: _Request
+    slot: int
+    length: int  # tokens in the KV cache; where the next token is written
+    last_token: int
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass
+class _PendingSwitch:
+    version: int
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (model parameter, staged tensor)
+    done: threading.Event = field(default_factory=threading.Event)
+    switch_s: float = 0.0
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.generated_tokens = 0
+        self.decode_steps = 0
+        self.decode_seconds = 0.0
+        self.requests_finished = 0
+        self.updates = 0
+        self.updates_while_running = 0
+        self.update_bytes = 0
+        self.update_receive_seconds = 0.0
+        self.update_switch_seconds = 0.0
+        self.refused_updates = 0
+        self.last_update_bytes = 0
+        self.last_update_receive_seconds = 0.0
+        self.last_update_switch_seconds = 0.0
+        self.started = time.monotonic()
+
+
+class EmbeddedEngine:
+    """Implements `pipelinerl.engines.server.EngineBackend` for a transformers causal LM."""
+
+    def __init__(self, model: torch.nn.Module, model_name: str, settings: EngineSettings, tokenizer=None):
+        self.model = model.eval()
+        self.model_name = model_name
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.runner = make_runner(model, settings.max_running_seqs, settings.max_model_len)
+        self.eos_ids = _eos_ids(model)
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.version = settings.initial_version
+        self.metrics = Metrics()
+        self._group: WeightUpdateGroup | None = None
+        self._staging: dict[str, torch.Tensor] = {}
+        self._update_lock = asyncio.Lock()
+        self._cv = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._requests: dict[str, _Request] = {}
+        self._running: list[_Seq] = []
+        self._reserved_tokens = 0
+        self._pending: _PendingSwitch | None = None
+        self._abort_flag = False
+        self._stopped = False
+        self._batch_params: tuple | None = None
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # --- contract ------------------------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        request = self._make_request(req.prompt_token_ids, req.sampling, req.request_id)
+        with self._cv:
+            if request.id in self._requests:
+                raise ContractError(409, f"request_id {request.id!r} is already running", "request_id")
+            self._requests[request.id] = request
+            self._waiting.append(request)
+            self._cv.notify()
+        try:
+            return await request.future
+        except asyncio.CancelledError:  # the client went away: stop spending compute on it
+            await self.abort(request.id)
+            raise
+
+    async def completions(self, req: CompletionsRequest) -> CompletionsResponse:
+        if self.tokenizer is None:
+            raise ContractError(400, "this engine has no tokenizer; use /v1/generate with token ids", "prompt")
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not prompts:
+            raise ContractError(400, "prompt: must not be empty", "prompt")
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                max_new_tokens=req.max_tokens, n=req.n, seed=req.seed,
+                                stop_token_ids=req.stop_token_ids)
+        encoded = [self.tokenizer.encode(p) for p in prompts]
+        for i, ids in enumerate(encoded):
+            if not ids:
+                raise ContractError(400, f"prompt[{i}]: encodes to no tokens", f"prompt[{i}]")
+        results = await asyncio.gather(*(self.generate(GenerateRequest(prompt_token_ids=ids, sampling=params))
+                                         for ids in encoded))
+        choices, completion_tokens = [], 0
+        for res in results:
+            for c in res.completions:
+                lp = None
+                if req.logprobs is not None:
+                    lp = CompletionsChoiceLogprobs(tokens=self.tokenizer.convert_ids_to_tokens(c.token_ids),
+                                                   token_logprobs=c.logprobs)
+                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                choices.append(CompletionsChoice(index=len(choices), text=text, finish_reason=c.finish_reason,
+                                                 logprobs=lp))
+                completion_tokens += len(c.token_ids)
+        prompt_tokens = sum(len(e) for e in encoded)
+        return CompletionsResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                                   model=req.model or self.model_name, choices=choices,
+                                   usage=CompletionsUsage(prompt_tokens=prompt_tokens,
+                                                          completion_tokens=completion_tokens,
+                                                          total_tokens=prompt_tokens + completion_tokens))
+
+    async def abort(self, request_id: str | None) -> list[str]:
+        with self._cv:
+            targets = list(self._requests.values()) if request_id is None else (
+                [self._requests[request_id]] if request_id in self._requests else [])
+            for r in targets:
+                r.aborted = True
+            self._abort_flag = bool(targets) or self._abort_flag
+            self._cv.notify()
+        return [r.id for r in targets]
+
+    async def init_weight_update_group(self, req: InitWeightUpdateGroupRequest) -> None:
+        if req.backend == "nccl" and not torch.cuda.is_available():
+            raise ContractError(400, "backend 'nccl' needs a GPU; use 'gloo' on CPU", "backend")
+        async with self._update_lock:
+            if self._group is not None:
+                self._group.destroy()
+                self._group = None
+            try:
+                self._group = await asyncio.to_thread(
+                    init_weight_update_group, req.master_address, req.master_port, req.rank_offset,
+                    req.world_size, req.backend, req.group_name, req.timeout_s)
+            except WeightSyncError as e:
+                raise ContractError(504, str(e), type="weight_sync_error") from None
+
+    async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
+        async with self._update_lock:
+            group = self._group
+            if group is None or group.group_name != req.group_name:
+                raise ContractError(409, f"not in weight-update group {req.group_name!r}; call "
+                                         "/v1/weights/init_group first", "group_name", "conflict")
+            specs = [TensorSpec(p.name, DTYPES[p.dtype], tuple(p.shape)) for p in req.params]
+            t0 = time.perf_counter()
+            problem = self._check_update(req.params)
+            if problem is not None:
+                # Drain the broadcast so the trainer and the other engines are not left hanging, but write
+                # nothing into the model.
+                await asyncio.to_thread(receive_tensors, group, specs, req.bucket_bytes)
+                self.metrics.refused_updates += 1
+                raise ContractError(400, problem[1], problem[0], "mismatched_update")
+            staging = [self._staging_buffer(s) for s in specs]
+            try:
+                await asyncio.to_thread(receive_tensors, group, specs, req.bucket_bytes, staging)
+            except WeightSyncError as e:
+                raise ContractError(504, str(e), type="weight_sync_error") from None
+            receive_s = time.perf_counter() - t0
+            pending = _PendingSwitch(req.version, [(self.params[s.name], t) for s, t in zip(specs, staging)])
+            with self._cv:
+                self._pending = pending
+                self._cv.notify()
+            while not await asyncio.to_thread(pending.done.wait, 1.0):
+                if not self._thread.is_alive():
+                    raise ContractError(500, "engine thread died before switching weights", type="engine_error")
+            nbytes = sum(s.nbytes for s in specs)
+            m = self.metrics
+            m.updates += 1
+            m.update_bytes += nbytes
+            m.update_receive_seconds += receive_s
+            m.last_update_bytes, m.last_update_receive_seconds = nbytes, receive_s
+            m.last_update_switch_seconds = pending.switch_s
+            return UpdateWeightsResponse(version=req.version, received_bytes=nbytes, receive_s=receive_s,
+                                         switch_s=pending.switch_s)
+
+    def info(self) -> InfoResponse:
+        return InfoResponse(engine="embedded", model=self.model_name, weight_version=self.version,
+                            max_model_len=self.settings.max_model_len, vocab_size=self.vocab_size,
+                            max_running_seqs=self.settings.max_running_seqs, eos_token_ids=sorted(self.eos_ids),
+                            weight_group=self._group.group_name if self._group else None)
+
+    def metrics_text(self) -> str:
+        m = self.metrics
+        with self._cv:
+            running, waiting = len(self._running), len(self._waiting)
+        rows = [
+            ("running_seqs", "gauge", running, "sequences being decoded"),
+            ("waiting_requests", "gauge", waiting, "requests queued for admission"),
+            ("weight_version", "gauge", self.version, "current weight version"),
+            ("generated_tokens_total", "counter", m.generated_tokens, "tokens generated"),
+            ("decode_steps_total", "counter", m.decode_steps, "batched decode steps"),
+            ("decode_seconds_total", "counter", m.decode_seconds, "time spent in decode steps"),
+            ("tokens_per_second", "gauge", m.generated_tokens / max(m.decode_seconds, 1e-9),
+             "generated tokens per second of decoding"),
+            ("requests_finished_total", "counter", m.requests_finished, "requests completed"),
+            ("weight_updates_total", "counter", m.updates, "weight updates applied"),
+            ("weight_updates_while_running_total", "counter", m.updates_while_running,
+             "updates applied while sequences were running"),
+            ("weight_updates_refused_total", "counter", m.refused_updates, "mismatched updates refused"),
+            ("weight_update_bytes_total", "counter", m.update_bytes, "bytes received by updates"),
+            ("weight_update_receive_seconds_total", "counter", m.update_receive_seconds, "time receiving"),
+            ("weight_update_switch_seconds_total", "counter", m.update_switch_seconds,
+             "decode time lost to switching weights"),
+            ("last_weight_update_bytes", "gauge", m.last_update_bytes, "bytes of the last update"),
+            ("last_weight_update_receive_seconds", "gauge", m.last_update_receive_seconds,
+             "seconds receiving the last update"),
+            ("last_weight_update_switch_seconds", "gauge", m.last_update_switch_seconds,
+             "decode pause for the last update"),
+        ]
+        out = []
+        for name, kind, value, help_text in rows:
+            out += [f"# HELP pipelinerl_{name} {help_text}", f"# TYPE pipelinerl_{name} {kind}",
+                    f"pipelinerl_{name} {float(value)}"]
+        return "\n".join(out) + "\n"
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+        if self._group is not None:
+            self._group.destroy()
+
+    # --- validation ----------------------------------------------------------------------------------------
+
+    def _make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
+        s = self.settings
+        if len(prompt) >= s.max_model_len:
+            raise ContractError(400, f"prompt_token_ids: {len(prompt)} tokens leave no room to generate within "
+                                     f"the context of {s.max_model_len}", "prompt_token_ids")
+        for name, ids in (("prompt_token_ids", prompt), ("sampling.stop_token_ids", params.stop_token_ids)):
+            bad = next((i for i, t in enumerate(ids) if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ContractError(400, f"{name}[{bad}]: token id {ids[bad]} is outside the vocabulary "
+                                         f"(size {self.vocab_size})", f"{name}[{bad}]")
+        if params.n > s.max_running_seqs:
+            raise ContractError(400, f"sampling.n: {params.n} samples exceed max_running_seqs "
+                                     f"{s.max_running_seqs}", "sampling.n")
+        max_new = min(params.max_new_tokens, s.max_model_len - len(prompt))
+        if params.n * (len(prompt) + max_new) > s.max_batch_tokens:
+            raise ContractError(400, f"sampling.n: {params.n} x {len(prompt) + max_new} tokens exceed "
+                                     f"max_batch_tokens {s.max_batch_tokens}", "sampling.n")
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= self.eos_ids
+        loop = asyncio.get_running_loop()
+        return _Request(id=request_id or uuid.uuid4().hex, prompt=list(prompt), params=params, max_new=max_new,
+                        stop=frozenset(stop), loop=loop, future=loop.create_future())
+
+    def _check_update(self, params: list[ParamSpec]) -> tuple[str, str] | None:
+        """(field, message) of the first mismatch between the update and the model, or None."""
+        seen: set[str] = set()
+        for i, p in enumerate(params):
+            where = f"params[{i}]"
+            if p.name in seen:
+                return f"{where}.name", f"{where}: parameter {p.name!r} appears twice in the update"
+            seen.add(p.name)
+            target = self.params.get(p.name)
+            if target is None:
+                return f"{where}.name", f"{where}: {p.name!r} is not a parameter of the model"
+            if list(target.shape) != p.shape:
+                return (f"{where}.shape", f"{where}: {p.name!r} has shape {list(target.shape)} in the model, "
+                                          f"the update says {p.shape}")
+            if DTYPE_NAMES.get(target.dtype) != p.dtype:
+                return (f"{where}.dtype", f"{where}: {p.name!r} is {DTYPE_NAMES.get(target.dtype)} in the model, "
+                                          f"the update says {p.dtype}")
+        return None
+
+    def _staging_buffer(self, spec: TensorSpec) -> torch.Tensor:
+        buf = self._staging.get(spec.name)
+        if buf is None or buf.shape != spec.shape or buf.dtype != spec.dtype:
+            buf = self._staging[spec.name] = torch.empty(spec.shape, dtype=spec.dtype)
+        return buf
+
+    # --- the engine thread ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._running or self._waiting or self._pending or self._abort_flag or self._stopped):
+                    self._cv.wait()
+                if self._stopped:
+                    return
+            try:
+                self._switch_weights()
+                self._handle_aborts()
+                self._admit()
+                if self._running:
+                    self._decode_step()
+            except Exception as e:  # keep serving: fail what was in flight, reset, go on
+                log.exception("engine step failed")
+                self._fail_all(e)
+
+    def _switch_weights(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for param, staged in pending.pairs:
+                param.copy_(staged)
+        self.version = pending.version
+        pending.switch_s = time.perf_counter() - t0
+        self.metrics.update_switch_seconds += pending.switch_s
+        if self._running:
+            self.metrics.updates_while_running += 1
+        with self._cv:
+            self._pending = None
+        pending.done.set()
+
+    def _handle_aborts(self) -> None:
+        with self._cv:
+            if not self._abort_flag:
+                return
+            self._abort_flag = False
+            waiting = [r for r in self._waiting if r.aborted]
+            for r in waiting:
+                self._waiting.remove(r)
+        for r in waiting:
+            self._finish_request(r)
+        finished = [s for s in self._running if s.req.aborted]
+        for s in finished:
+            s.finish = "abort"
+        self._retire(finished)
+
+    def _admit(self) -> None:
+        s = self.settings
+        while True:
+            with self._cv:
+                if not self._waiting:
+                    return
+                req = self._waiting[0]
+                need = req.params.n * (len(req.prompt) + req.max_new)
+                if len(self._running) + req.params.n > s.max_running_seqs or (
+                        self._running and self._reserved_tokens + need > s.max_batch_tokens):
+                    return
+                self._waiting.popleft()
+            self._reserved_tokens += need
+            first = len(self._running)
+            logits = self.runner.prefill(first, req.prompt)
+            for i in range(1, req.params.n):
+                copy_slot(self.runner, first, first + i, len(req.prompt))
+            p = req.params
+            gens = []
+            for i in range(p.n):
+                g = None
+                if p.seed is not None:
+                    g = torch.Generator(device=self.runner.device)
+                    g.manual_seed(p.seed + i)
+                gens.append(g)
+            req.seqs = [_Seq(req, first + i, len(req.prompt), -1, gens[i]) for i in range(p.n)]
+            self._running.extend(req.seqs)
+            self._batch_params = None
+            tokens, logprobs = sample(logits[None].expand(p.n, -1), torch.full((p.n,), p.temperature),
+                                      torch.full((p.n,), p.top_k), torch.full((p.n,), p.top_p), gens)
+            self._append(req.seqs, tokens.tolist(), logprobs.tolist())
+
+    def _decode_step(self) -> None:
+        t0 = time.perf_counter()
+        running = self._running
+        if self._batch_params is None:
+            self._batch_params = (
+                torch.tensor([s.req.params.temperature for s in running]),
+                torch.tensor([s.req.params.top_k for s in running]),
+                torch.tensor([s.req.params.top_p for s in running]),
+                [s.generator for s in running],
+            )
+        tokens_in = torch.tensor([s.last_token for s in running])
+        positions = torch.tensor([s.length for s in running])
+        logits = self.runner.decode(tokens_in, positions)
+        for s in running:
+            s.length += 1
+        tokens, logprobs = sample(logits, *self._batch_params)
+        self._append(running, tokens.tolist(), logprobs.tolist())
+        self.metrics.decode_steps += 1
+        self.metrics.decode_seconds += time.perf_counter() - t0
+
+    def _append(self, seqs: list[_Seq], tokens: list[int], logprobs: list[float]) -> None:
+        version = self.version
+        finished = []
+        for s, t, lp in zip(seqs, tokens, logprobs):
+            s.tokens.append(t)
+            s.logprobs.append(lp)
+            s.versions.append(version)
+            s.last_token = t
+            if t in s.req.stop:
+                s.finish = "stop"
+            elif len(s.tokens) >= s.req.max_new:
+                s.finish = "length"
+            if s.finish:
+                finished.append(s)
+        self.metrics.generated_tokens += len(seqs)
+        self._retire(finished)
+
+    def _retire(self, finished: list[_Seq]) -> None:
+        """Remove finished sequences, keeping the running ones in slots 0..B-1."""
+        if not finished:
+            return
+        for seq in sorted(finished, key=lambda s: s.slot, reverse=True):
+            last = self._running.pop()
+            if last is not seq:
+                self.runner.move_slot(last.slot, seq.slot, last.length)
+                last.slot = seq.slot
+                self._running[seq.slot] = last
+            req = seq.req
+            req.done_count += 1
+            if req.done_count == len(req.seqs):
+                self._reserved_tokens -= req.params.n * (len(req.prompt) + req.max_new)
+                self._finish_request(req)
+        self._batch_params = None
+
+    def _finish_request(self, req: _Request) -> None:
+        completions = [Completion(token_ids=s.tokens, logprobs=s.logprobs, versions=s.versions,
+                                  finish_reason=s.finish or "abort") for s in req.seqs]
+        if not req.seqs:  # aborted before admission
+            completions = [Completion(token_ids=[], logprobs=[], versions=[], finish_reason="abort")
+                           for _ in range(req.params.n)]
+        resp = GenerateResponse(request_id=req.id, prompt_len=len(req.prompt), completions=completions)
+        with self._cv:
+            self._requests.pop(req.id, None)
+        self.metrics.requests_finished += 1
+        req.loop.call_soon_threadsafe(_resolve, req.future, resp)
+
+    def _fail_all(self, error: Exception) -> None:
+        with self._cv:
+            reqs = list(self._requests.values())
+            self._requests.clear()
+            self._waiting.clear()
+        self._running.clear()
+        self._reserved_tokens = 0
+        self._batch_params = None
+        for r in reqs:
+            err = ContractError(500, f"engine step failed: {type(error).__name__}: {error}", type="engine_error")
+            r.loop.call_soon_threadsafe(_reject, r.future, err)
+
+
+def _resolve(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _reject(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _eos_ids(model: torch.nn.Module) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids |= set(eos) if isinstance(eos, list) else {int(eos)}
+    return ids

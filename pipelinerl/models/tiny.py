@@ -1,0 +1,46 @@
+"""Tiny causal LMs built from a config, with a character-level tokenizer: for tests, benchmarks and the
+laptop recipe. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARACTERS = string.digits + string.ascii_letters + " +-*/=()<>[]{}\\.,:;!?'\"\n_^$%&|#@~`"
+
+
+def build_char_tokenizer():
+    """A character-level fast tokenizer: one token per character, ids 0-3 special."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARACTERS)))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")
+
+
+def build_tiny_model(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                     num_kv_heads: int = 2, intermediate_size: int | None = None, max_positions: int = 1024,
+                     seed: int = 0, initializer_range: float = 0.02, tie_embeddings: bool = True) -> Path:
+    """Save a randomly initialised Qwen2-architecture model and the char tokenizer to `out_dir`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         intermediate_size=intermediate_size or 4 * hidden_size,
+                         max_position_embeddings=max_positions, initializer_range=initializer_range,
+                         tie_word_embeddings=tie_embeddings, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
