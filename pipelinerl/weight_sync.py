@@ -18,8 +18,8 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import weakref
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta

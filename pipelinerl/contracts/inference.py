@@ -109,6 +109,13 @@ class UpdateWeightsResponse(_Strict):
     switch_s: float = Field(description="seconds generation was paused to switch to the new weights")
 
 
+class WeightsChecksumResponse(_Strict):
+    """sha256 of each parameter's bytes, so a caller can prove weights changed, or did not."""
+
+    version: int
+    checksums: dict[str, str]
+
+
 class AbortRequest(_Strict):
     request_id: str | None = Field(None, description="the request to abort; all running requests if absent")
 

@@ -27,6 +27,7 @@ from pipelinerl.contracts.inference import (
     InitWeightUpdateGroupRequest,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
+    WeightsChecksumResponse,
 )
 
 
@@ -52,6 +53,8 @@ class EngineBackend(Protocol):
     async def abort(self, request_id: str | None) -> list[str]: ...
 
     def info(self) -> InfoResponse: ...
+
+    async def weights_checksum(self) -> WeightsChecksumResponse: ...
 
     def metrics_text(self) -> str: ...
 
@@ -123,6 +126,11 @@ def create_app(backend: EngineBackend | None, title: str = "pipelinerl inference
     async def update_weights(req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         """Receive a broadcast of new weights and switch to them in flight (see UpdateWeightsRequest)."""
         return await need().update_weights(req)
+
+    @app.get("/v1/weights/checksum", response_model=WeightsChecksumResponse, responses=_ERRORS, tags=["weights"])
+    async def weights_checksum() -> WeightsChecksumResponse:
+        """Per-parameter sha256 of the weights in use (optional for engines: 501 when not implemented)."""
+        return await need().weights_checksum()
 
     @app.get("/v1/health", response_model=HealthResponse, tags=["status"])
     async def health() -> HealthResponse:

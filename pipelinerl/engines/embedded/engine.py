@@ -11,6 +11,7 @@ weights and every later token carries the new version.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from pipelinerl.contracts.inference import (
     SamplingParams,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
+    WeightsChecksumResponse,
 )
 from pipelinerl.engines.embedded.model_runner import copy_slot, make_runner
 from pipelinerl.engines.embedded.sampling import sample
@@ -258,6 +260,13 @@ class EmbeddedEngine:
                             max_model_len=self.settings.max_model_len, vocab_size=self.vocab_size,
                             max_running_seqs=self.settings.max_running_seqs, eos_token_ids=sorted(self.eos_ids),
                             weight_group=self._group.group_name if self._group else None)
+
+    async def weights_checksum(self) -> WeightsChecksumResponse:
+        # Read between steps would need the engine thread; a switch is one copy per tensor under the update
+        # lock, so holding that lock gives a consistent snapshot.
+        async with self._update_lock:
+            return WeightsChecksumResponse(version=self.version,
+                                           checksums=await asyncio.to_thread(tensor_checksums, self.params))
 
     def metrics_text(self) -> str:
         m = self.metrics
@@ -512,6 +521,11 @@ class EmbeddedEngine:
         for r in reqs:
             err = ContractError(500, f"engine step failed: {type(error).__name__}: {error}", type="engine_error")
             r.loop.call_soon_threadsafe(_reject, r.future, err)
+
+
+def tensor_checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {name: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+            for name, t in named.items()}
 
 
 def _resolve(future: asyncio.Future, value: object) -> None:

@@ -1,0 +1,57 @@
+"""Starting and stopping the processes of a run: free ports, engine servers, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_command(model: str, port: int, host: str = "127.0.0.1", engine: str = "embedded",
+                   extra: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "pipelinerl.cli", "serve", "--engine", engine, "--model", str(model),
+            "--host", host, "--port", str(port), *extra]
+
+
+def start_process(cmd: Sequence[str], log_path: str | Path, threads: int | None = None,
+                  env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a child in its own process group with output to `log_path`; thread counts pinned when given."""
+    full_env = {**os.environ, **(env or {})}
+    if threads:
+        full_env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    return subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                            start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM the child's process group, then SIGKILL if it lingers."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout_s)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=timeout_s)
+
+
+def tail(path: str | Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

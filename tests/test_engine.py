@@ -1,0 +1,317 @@
+"""The embedded engine as a real server process on loopback, with this test process as the trainer (rank 0 of
+a real gloo weight-update group)."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from conftest import running_engine
+from transformers import AutoModelForCausalLM
+
+from pipelinerl.engines.client import EngineError, init_group_on_engines, push_weights
+from pipelinerl.engines.embedded.engine import tensor_checksums
+from pipelinerl.procs import free_port
+from pipelinerl.weight_sync import init_weight_update_group
+
+PROMPT = [5, 6, 67, 7, 8, 71]
+
+
+class Trainer:
+    """The trainer side: holds reference weights and pushes them to the engine."""
+
+    def __init__(self, client, model_dir):
+        self.client = client
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # parameters only, deduplicated: a tied lm_head follows the embedding, as on the engine
+        self.base = {k: v.detach().clone() for k, v in self.model.named_parameters()}
+        port = free_port()
+        world, futures = init_group_on_engines([client], "127.0.0.1", port, "gloo", "weight_update", 30)
+        self.group = init_weight_update_group("127.0.0.1", port, 0, world, "gloo", timeout_s=30)
+        for f in futures:
+            f.result()
+        self.version = 0
+
+    def named(self, state):
+        return [(n, state[n]) for n, _ in self.model.named_parameters()]
+
+    def push(self, state, bucket_bytes=0):
+        self.version += 1
+        return push_weights(self.group, [self.client], self.named(state), self.version, bucket_bytes)[0]
+
+    def perturbed(self, seed, scale=0.5):
+        g = torch.Generator().manual_seed(seed)
+        return {k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.dim() > 1 else v.clone()
+                for k, v in self.base.items()}
+
+    def greedy_reference(self, state, prompt, steps, cache_from=None):
+        """Greedy tokens under `state`; with `cache_from=(old_state, n_old)`, the KV cache of the prompt and
+        the first n_old tokens comes from old_state (what an in-flight switch does)."""
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=False)
+            ids = list(prompt)
+            out = self.model(torch.tensor([ids]), use_cache=True)
+            cache, logits = out.past_key_values, out.logits[0, -1]
+            tokens = []
+            for _ in range(steps):
+                t = int(logits.argmax())
+                tokens.append(t)
+                out = self.model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+                cache, logits = out.past_key_values, out.logits[0, -1]
+            return tokens
+
+    def continue_after_switch(self, old_state, new_state, prompt, old_tokens, steps):
+        """Tokens after a switch: the cache holds prompt + old_tokens[:-1] under old weights; the new weights
+        consume old_tokens[-1] and go on greedily."""
+        with torch.no_grad():
+            self.model.load_state_dict(old_state, strict=False)
+            out = self.model(torch.tensor([list(prompt) + old_tokens[:-1]]), use_cache=True)
+            cache = out.past_key_values
+            self.model.load_state_dict(new_state, strict=False)
+            t, tokens = old_tokens[-1], []
+            for _ in range(steps):
+                out = self.model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                t = int(out.logits[0, -1].argmax())
+                tokens.append(t)
+            return tokens
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("logs")
+    with running_engine(tiny_model_dir, log_dir, extra=["--max-model-len", "1100", "--max-running-seqs", "8",
+                                                        "--max-batch-tokens", "8800"]) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def trainer(engine, tiny_model_dir):
+    t = Trainer(engine, tiny_model_dir)
+    yield t
+    t.group.destroy()
+
+
+def test_greedy_matches_transformers_and_logprobs_rescore(engine, trainer):
+    trainer.push(trainer.base)
+    out = engine.generate(PROMPT, temperature=0, max_new_tokens=24, ignore_eos=True).completions[0]
+    assert out.token_ids == trainer.greedy_reference(trainer.base, PROMPT, 24)
+    with torch.no_grad():
+        trainer.model.load_state_dict(trainer.base, strict=False)
+        logits = trainer.model(torch.tensor([PROMPT + out.token_ids])).logits[0, len(PROMPT) - 1:-1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+
+
+def test_sampled_logprobs_are_temperature_scaled_and_seeded_sampling_repeats(engine, trainer):
+    trainer.push(trainer.base)
+    a = engine.generate(PROMPT, temperature=0.7, max_new_tokens=16, seed=11, n=3, ignore_eos=True)
+    b = engine.generate(PROMPT, temperature=0.7, max_new_tokens=16, seed=11, n=3, ignore_eos=True)
+    assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+    assert len({tuple(c.token_ids) for c in a.completions}) > 1, "n samples of one prompt should differ"
+    c = a.completions[0]
+    with torch.no_grad():
+        logits = trainer.model(torch.tensor([PROMPT + c.token_ids])).logits[0, len(PROMPT) - 1:-1]
+    expected = torch.log_softmax(logits / 0.7, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 4096])
+def test_update_with_identical_weights_keeps_greedy_output(engine, trainer, bucket_bytes):
+    trainer.push(trainer.base)
+    before = engine.generate(PROMPT, temperature=0, max_new_tokens=32, ignore_eos=True).completions[0]
+    resp = trainer.push(trainer.base, bucket_bytes=bucket_bytes)
+    assert resp.version == trainer.version and resp.received_bytes > 0
+    after = engine.generate(PROMPT, temperature=0, max_new_tokens=32, ignore_eos=True).completions[0]
+    assert after.token_ids == before.token_ids
+    assert set(after.versions) == {trainer.version}
+
+
+def test_update_changes_outputs_and_checksums_match_trainer(engine, trainer):
+    new = trainer.perturbed(seed=1)
+    trainer.push(new)
+    remote = httpx.get(f"{engine.url}/v1/weights/checksum").json()
+    local = tensor_checksums(dict(trainer.named(new)))
+    assert remote["version"] == trainer.version
+    assert all(remote["checksums"][n] == h for n, h in local.items())
+    out = engine.generate(PROMPT, temperature=0, max_new_tokens=24, ignore_eos=True).completions[0]
+    assert out.token_ids == trainer.greedy_reference(new, PROMPT, 24)
+
+
+def test_in_flight_switch_continues_from_kv_cache(engine, trainer):
+    old, new = trainer.base, trainer.perturbed(seed=2)
+    trainer.push(old)
+    old_version = trainer.version
+    steps = 1000
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        out=engine.generate(PROMPT, temperature=0, max_new_tokens=steps, ignore_eos=True)))
+    thread.start()
+    start_tokens = engine.metrics()["pipelinerl_generated_tokens_total"]
+    deadline = time.monotonic() + 30
+    while engine.metrics()["pipelinerl_generated_tokens_total"] < start_tokens + 50:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    trainer.push(new)
+    thread.join(timeout=60)
+    out = result["out"].completions[0]
+    assert len(out.token_ids) == steps
+    switch = out.versions.index(trainer.version)
+    assert 0 < switch < steps - 10, "the update should land in the middle of the generation"
+    assert out.versions == [old_version] * switch + [trainer.version] * (steps - switch)
+    assert out.token_ids[:switch] == trainer.greedy_reference(old, PROMPT, switch)
+    after = trainer.continue_after_switch(old, new, PROMPT, out.token_ids[:switch], steps - switch)
+    assert out.token_ids[switch:] == after
+    # and it differs from simply running the new model from scratch, so the cache really was kept
+    assert engine.metrics()["pipelinerl_weight_updates_while_running_total"] >= 1
+
+
+def test_concurrent_requests_during_update_stream(engine, trainer):
+    trainer.push(trainer.base)
+    first = trainer.version
+    n_updates = 5
+
+    def one(i):
+        return engine.generate(PROMPT[: 2 + i % 4], temperature=1.0, max_new_tokens=150 + 10 * i, n=2,
+                               ignore_eos=True, seed=i)
+
+    with ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(one, i) for i in range(12)]
+        for k in range(n_updates):
+            time.sleep(0.05)
+            trainer.push(trainer.perturbed(seed=100 + k, scale=0.05))
+        results = [f.result(timeout=120) for f in futures]
+    seen = set()
+    for r in results:
+        for c in r.completions:
+            assert c.finish_reason == "length"
+            assert all(a <= b for a, b in zip(c.versions, c.versions[1:])), "versions must not go back"
+            assert first <= c.versions[0] and c.versions[-1] <= trainer.version
+            seen.update(c.versions)
+    assert len(seen) > 1, "some sequences should span an update"
+    assert engine.info().weight_version == trainer.version
+
+
+def test_mismatched_update_is_refused_and_weights_untouched(engine, trainer):
+    trainer.push(trainer.base)
+    before = httpx.get(f"{engine.url}/v1/weights/checksum").json()
+    named = trainer.named(trainer.perturbed(seed=3))
+    bad_index = 3
+    name, t = named[bad_index]
+    named[bad_index] = (name, torch.zeros(t.shape[0] + 1, *t.shape[1:]))
+    with pytest.raises(EngineError) as err:
+        push_weights(trainer.group, [engine], named, trainer.version + 1)
+    assert err.value.status == 400 and name in err.value.message and "shape" in err.value.message
+    after = httpx.get(f"{engine.url}/v1/weights/checksum").json()
+    assert after == before
+    # unknown name and wrong dtype are refused too, and the group still works afterwards
+    named = trainer.named(trainer.base)
+    with pytest.raises(EngineError, match="not a parameter"):
+        push_weights(trainer.group, [engine], named + [("nope.weight", torch.zeros(2))], trainer.version + 1)
+    with pytest.raises(EngineError, match="bfloat16"):
+        push_weights(trainer.group, [engine], [(named[0][0], named[0][1].bfloat16())], trainer.version + 1)
+    assert httpx.get(f"{engine.url}/v1/weights/checksum").json() == before
+    assert engine.metrics()["pipelinerl_weight_updates_refused_total"] >= 3
+    trainer.push(trainer.base)
+
+
+def test_abort_one_and_all(engine):
+    result = {}
+
+    def run(key):
+        result[key] = engine.generate(PROMPT, temperature=0, max_new_tokens=1000, ignore_eos=True,
+                                      request_id=key)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while engine.metrics()["pipelinerl_running_seqs"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert engine.abort("a") == ["a"]
+    threads[0].join(30)
+    a = result["a"].completions[0]
+    assert a.finish_reason == "abort" and 0 < len(a.token_ids) < 1000
+    assert len(a.logprobs) == len(a.versions) == len(a.token_ids)
+    assert sorted(engine.abort()) == ["b", "c"]
+    for t in threads[1:]:
+        t.join(30)
+    assert all(result[k].completions[0].finish_reason == "abort" for k in ("b", "c"))
+    assert engine.abort("missing") == []
+
+
+def test_queueing_beyond_running_limit(engine):
+    # 8 running sequences at most: 20 requests of n=2 queue and all finish
+    with ThreadPoolExecutor(20) as pool:
+        outs = list(pool.map(lambda i: engine.generate([5 + i % 10, 6], temperature=0.5, max_new_tokens=20,
+                                                       n=2, ignore_eos=True), range(20)))
+    assert all(len(c.token_ids) == 20 for o in outs for c in o.completions)
+
+
+def test_stop_tokens_and_length(engine, trainer):
+    trainer.push(trainer.base)
+    greedy = engine.generate(PROMPT, temperature=0, max_new_tokens=10, ignore_eos=True).completions[0]
+    stop_at = greedy.token_ids[3]
+    out = engine.generate(PROMPT, temperature=0, max_new_tokens=10, ignore_eos=True,
+                          stop_token_ids=[stop_at]).completions[0]
+    k = greedy.token_ids.index(stop_at)
+    assert out.finish_reason == "stop" and out.token_ids == greedy.token_ids[: k + 1]
+    long_prompt = [5] * 1090
+    out = engine.generate(long_prompt, temperature=0, max_new_tokens=500, ignore_eos=True).completions[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 1100 - 1090
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt_token_ids": []}, "prompt_token_ids"),
+    ({"prompt_token_ids": [5] * 1100}, "prompt_token_ids"),
+    ({"prompt_token_ids": [5, 100000]}, "prompt_token_ids[1]"),
+    ({"prompt_token_ids": [5, -1]}, "prompt_token_ids.1"),
+    ({"prompt_token_ids": [5], "sampling": {"temperature": -0.5}}, "sampling.temperature"),
+    ({"prompt_token_ids": [5], "sampling": {"top_p": 0}}, "sampling.top_p"),
+    ({"prompt_token_ids": [5], "sampling": {"top_k": -3}}, "sampling.top_k"),
+    ({"prompt_token_ids": [5], "sampling": {"max_new_tokens": 10**9}}, "sampling.max_new_tokens"),
+    ({"prompt_token_ids": [5], "sampling": {"n": 0}}, "sampling.n"),
+    ({"prompt_token_ids": [5], "sampling": {"n": 100}}, "sampling.n"),
+    ({"prompt_token_ids": [5], "sampling": {"stop_token_ids": [10**6]}}, "sampling.stop_token_ids[0]"),
+    ({"prompt_token_ids": [5], "sampling": {"temprature": 1}}, "sampling.temprature"),
+    ({"prompt_token_ids": "hello"}, "prompt_token_ids"),
+    ({"prompt_token_ids": [5], "extra": True}, "extra"),
+])
+def test_bad_generate_input_is_a_4xx_naming_the_field(engine, body, field):
+    r = httpx.post(f"{engine.url}/v1/generate", json=body)
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    assert err["field"] == field, err
+    assert err["message"]
+
+
+def test_bad_input_leaves_server_serving(engine):
+    assert httpx.post(f"{engine.url}/v1/generate", content=b"{not json").status_code == 400
+    r = httpx.post(f"{engine.url}/v1/weights/update", json={"version": 1, "params": []})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "params"
+    out = engine.generate([5, 6], temperature=0, max_new_tokens=4, ignore_eos=True)
+    assert len(out.completions[0].token_ids) == 4
+
+
+def test_openai_completions(engine):
+    r = httpx.post(f"{engine.url}/v1/completions",
+                   json={"prompt": ["1+1=", "2+2="], "max_tokens": 5, "temperature": 0, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 2 and body["usage"]["completion_tokens"] <= 10
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == len(body["choices"][0]["logprobs"]["tokens"])
+
+
+def test_info_and_metrics(engine):
+    info = engine.info()
+    assert info.engine == "embedded" and info.vocab_size == 100 and info.max_model_len == 1100
+    assert info.weight_group == "weight_update"
+    m = engine.metrics()
+    for key in ("pipelinerl_running_seqs", "pipelinerl_waiting_requests", "pipelinerl_tokens_per_second",
+                "pipelinerl_weight_updates_total", "pipelinerl_weight_update_bytes_total",
+                "pipelinerl_weight_update_switch_seconds_total"):
+        assert key in m
+    assert m["pipelinerl_generated_tokens_total"] > 0
