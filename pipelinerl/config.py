@@ -36,9 +36,14 @@ def _check_choice(value: str, choices: tuple[str, ...], key: str) -> None:
 class ModelConfig:
     path: str = MISSING  # local directory with a Hugging Face model (or a hub name where a hub is reachable)
     dtype: str = "float32"  # bfloat16 on GPUs
+    # "pretrained" loads `path`; "tiny" builds a small random model there first if it does not exist yet
+    init: str = "pretrained"
+    tiny_hidden_size: int = 64
+    tiny_layers: int = 2
 
     def __post_init__(self) -> None:
         _check_choice(self.dtype, DTYPES, "model.dtype")
+        _check_choice(self.init, ("pretrained", "tiny"), "model.init")
 
 
 @dataclass

@@ -1,0 +1,72 @@
+"""Configuration: defaults <- recipe YAML <- dotted overrides, and clear errors naming the key and source."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelinerl.config import ConfigError, RunConfig, load_config, save_resolved_config
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def write(tmp_path, text, name="recipe.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_recipe_merges_onto_defaults_and_overrides_win(tmp_path):
+    recipe = write(tmp_path, "run_dir: runs/x\nmodel:\n  path: /models/tiny\ntrainer:\n  lr: 3.0e-5\n")
+    cfg = load_config(recipe, ["trainer.lr=1e-6", "trainer.betas=[0.9,0.95]", "actor.max_lag=0"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.trainer.lr == 1e-6 and cfg.trainer.betas == [0.9, 0.95] and cfg.actor.max_lag == 0
+    assert cfg.model.path == "/models/tiny" and cfg.engine.host == "127.0.0.1"  # untouched default
+
+
+@pytest.mark.parametrize("text, overrides, needles", [
+    ("run_dir: a\nmodel: {path: m}\ntrainer: {lrr: 1}\n", [], ["trainer.lrr", "recipe.yaml"]),
+    ("run_dir: a\nmodel: {path: m}\n", ["trainer.nope=1"], ["trainer.nope", "command line"]),
+    ("run_dir: a\nmodel: {path: m}\ntrainer: {lr: fast}\n", [], ["trainer.lr", "recipe.yaml", "fast"]),
+    ("run_dir: a\nmodel: {path: m}\n", ["trainer.max_steps=many"], ["trainer.max_steps", "command line"]),
+    ("run_dir: a\nmodel: {path: m}\n", ["weight_sync.backend=mpi"], ["weight_sync.backend", "gloo"]),
+    ("run_dir: a\nmodel: {path: m}\n", ["trainer.lr=-1"], ["trainer.lr", "> 0"]),
+    ("run_dir: a\n", [], ["model.path", "missing"]),
+    ("model: {path: m}\n", [], ["run_dir", "missing"]),
+    ("run_dir: a\nmodel: {path: m}\n", ["trainer.lr"], ["trainer.lr", "key=value"]),
+    ("run_dir: [unclosed\n", [], ["recipe.yaml", "YAML"]),
+])
+def test_bad_config_fails_naming_the_key_and_source(tmp_path, text, overrides, needles):
+    recipe = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, overrides)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_missing_recipe_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_resolved_config_is_written_and_reloads_identically(tmp_path):
+    recipe = write(tmp_path, "run_dir: a\nmodel: {path: m}\nsampling: {group_size: 4}\n")
+    cfg = load_config(recipe, ["engine.num_engines=2"])
+    out = save_resolved_config(cfg, tmp_path / "run")
+    data = yaml.safe_load(out.read_text())
+    assert data["sampling"]["group_size"] == 4 and data["engine"]["num_engines"] == 2
+    assert load_config(out) == cfg
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_load(recipe):
+    load_config(recipe, ["run_dir=/tmp/x", "model.path=/tmp/m"])
+
+
+def test_cli_reports_config_errors_without_a_traceback(tmp_path):
+    recipe = write(tmp_path, "run_dir: a\nmodel: {path: m}\ntrainer: {lrr: 1}\n")
+    r = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(recipe)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "trainer.lrr" in r.stderr and "Traceback" not in r.stderr

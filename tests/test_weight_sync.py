@@ -1,0 +1,69 @@
+"""The weight-update group between independently started processes over loopback (gloo)."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelinerl.procs import free_port
+from pipelinerl.weight_sync import TensorSpec, plan_buckets
+
+PEER = str(Path(__file__).with_name("weight_sync_peer.py"))
+
+
+def start_peers(ranks, world, port, tmp_path, timeout=20.0):
+    procs = {}
+    for r in ranks:
+        out = tmp_path / f"rank{r}.json"
+        procs[r] = (subprocess.Popen([sys.executable, PEER, str(r), str(world), str(port), str(out), str(timeout)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out)
+    return procs
+
+
+def test_three_processes_receive_every_dtype_and_shape_bit_exactly(tmp_path):
+    procs = start_peers([0, 1, 2], 3, free_port(), tmp_path)
+    results = {}
+    for r, (p, out) in procs.items():
+        log = p.communicate(timeout=120)[0].decode()
+        assert p.returncode == 0, f"rank {r} failed:\n{log}"
+        results[r] = json.loads(out.read_text())
+    for r in (1, 2):
+        for bucket_bytes in ("0", "256", "1048576"):
+            got = results[r][bucket_bytes]
+            assert got["got"] == results[r]["expected"], f"rank {r}, bucket_bytes {bucket_bytes}"
+            assert got["dtypes"] == ["torch.float32", "torch.bfloat16", "torch.float16", "torch.float32",
+                                     "torch.bfloat16", "torch.float32"]
+            assert got["shapes"] == [[3, 5], [7], [2, 2, 3], [1000], [64, 33], [1]]
+
+
+def test_a_peer_that_never_joins_is_a_clear_timeout(tmp_path):
+    start = time.monotonic()
+    procs = start_peers([0, 1], 3, free_port(), tmp_path, timeout=3.0)
+    for p, out in procs.values():
+        p.communicate(timeout=60)
+        assert p.returncode == 3
+        result = json.loads(out.read_text())
+        assert result["error"] == "WeightSyncTimeout"
+        assert "rank(s) [2]" in result["message"] and "did not join" in result["message"]
+    assert time.monotonic() - start < 30
+
+
+def test_bucket_plan_groups_consecutive_tensors_within_the_limit():
+    specs = [TensorSpec(str(i), torch.float32, (n,)) for i, n in enumerate([4, 4, 100, 1, 1])]
+    # 16-byte aligned sizes: 16, 16, 400, 16, 16
+    assert plan_buckets(specs, 0) == [[0], [1], [2], [3], [4]]
+    assert plan_buckets(specs, 32) == [[0, 1], [2], [3, 4]]
+    assert plan_buckets(specs, 1 << 20) == [[0, 1, 2, 3, 4]]
+
+
+def test_bad_arguments_are_rejected_before_any_network_work():
+    from pipelinerl.weight_sync import init_weight_update_group
+
+    with pytest.raises(ValueError, match="backend"):
+        init_weight_update_group("127.0.0.1", free_port(), 0, 2, backend="mpi")
+    with pytest.raises(ValueError, match="rank 2"):
+        init_weight_update_group("127.0.0.1", free_port(), 2, 2)

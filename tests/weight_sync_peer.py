@@ -1,0 +1,69 @@
+"""One member of a weight-update group, started as its own process by tests/test_weight_sync.py.
+
+Rank 0 broadcasts seeded tensors of several dtypes and shapes (both wire formats); other ranks receive them
+and write sha256 digests of what they got, next to the digests of what they should have got, to a JSON file.
+"""
+
+import hashlib
+import json
+import sys
+
+import torch
+
+from pipelinerl.weight_sync import (
+    TensorSpec,
+    WeightSyncError,
+    broadcast_tensors,
+    init_weight_update_group,
+    receive_tensors,
+)
+
+
+def tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        torch.randn(3, 5, generator=g),
+        torch.randn(7, generator=g).to(torch.bfloat16),
+        torch.randn(2, 2, 3, generator=g).to(torch.float16),
+        torch.randn(1000, generator=g),
+        torch.randn(64, 33, generator=g).to(torch.bfloat16),
+        torch.randn(1, generator=g),
+    ]
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def main() -> int:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    out_path, timeout = sys.argv[4], float(sys.argv[5])
+    # A default group of this process's own, to show the weight-update group lives beside it.
+    own_store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=own_store, rank=0, world_size=1)
+    result: dict = {"rank": rank}
+    try:
+        group = init_weight_update_group("127.0.0.1", port, rank, world, "gloo", "test_group", timeout_s=timeout)
+    except WeightSyncError as e:
+        result.update(error=type(e).__name__, message=str(e))
+        json.dump(result, open(out_path, "w"))
+        return 3
+    expected = tensors()
+    specs = [TensorSpec.of(str(i), t) for i, t in enumerate(expected)]
+    for bucket_bytes in (0, 256, 1 << 20):
+        if rank == 0:
+            broadcast_tensors(group, expected, bucket_bytes)
+        else:
+            got = receive_tensors(group, specs, bucket_bytes)
+            result[str(bucket_bytes)] = {"got": [digest(t) for t in got], "dtypes": [str(t.dtype) for t in got],
+                                         "shapes": [list(t.shape) for t in got]}
+    result["expected"] = [digest(t) for t in expected]
+    torch.distributed.all_reduce(torch.ones(1))  # the default group still works
+    group.destroy()
+    torch.distributed.destroy_process_group()
+    json.dump(result, open(out_path, "w"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
