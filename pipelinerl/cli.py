@@ -19,6 +19,19 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from pipelinerl.plot import plot_runs
+
+    try:
+        paths = plot_runs(args.run_dirs, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"pipelinerl plot: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(p)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pipelinerl import serve
 
@@ -36,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Start an inference server implementing the pipelinerl contract.")
     serve.add_arguments(srv)
     srv.set_defaults(func=_serve)
+
+    plot = sub.add_parser("plot", help="PNG curves of one or more runs",
+                          description="Write curves_step.png and curves_time.png from RUN_DIR/metrics.jsonl.")
+    plot.add_argument("run_dirs", nargs="+", help="run directories; several overlay")
+    plot.add_argument("--out", default=None, help="output directory (default: the first run directory)")
+    plot.set_defaults(func=_plot)
     return parser
 
 

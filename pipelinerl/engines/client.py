@@ -99,6 +99,28 @@ class EngineClient:
         return UpdateWeightsResponse.model_validate(self.post("/v1/weights/update", req.model_dump()))
 
 
+class AsyncEngineClient:
+    """Non-blocking calls to one engine, for the asyncio actor; `in_flight` counts its open requests so
+    callers can spread load across engines."""
+
+    def __init__(self, url: str, timeout_s: float = 3600.0, max_connections: int = 256):
+        self.url = url.rstrip("/")
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits)
+        self.in_flight = 0
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        self.in_flight += 1
+        try:
+            resp = await self._http.post("/v1/generate", json=req.model_dump())
+        finally:
+            self.in_flight -= 1
+        return GenerateResponse.model_validate(_check(resp))
+
+
 def _check_text(resp: httpx.Response) -> str:
     if resp.status_code >= 400:
         _check(resp)

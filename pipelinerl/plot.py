@@ -1,0 +1,84 @@
+"""`pipelinerl plot RUN_DIR [RUN_DIR ...]`: PNG curves of a run's metrics (reward, held-out accuracy, lag,
+throughput, KL, entropy), against step and against wall-clock time; several runs overlay for comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+# Each panel: (title, candidate metric keys, first found is drawn).
+PANELS = [
+    ("reward", ["reward_mean", "reward"]),
+    ("held-out accuracy", ["eval_accuracy", "eval/accuracy"]),
+    ("lag (versions)", ["lag_mean", "lag"]),
+    ("samples / s", ["samples_per_s"]),
+    ("tokens / s", ["tokens_per_s"]),
+    ("KL", ["kl"]),
+    ("entropy", ["entropy"]),
+    ("loss", ["loss"]),
+]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written while we read
+    return rows
+
+
+def _series(rows: list[dict], keys: list[str], x_key: str) -> tuple[list[float], list[float]]:
+    for key in keys:
+        pts = [(r[x_key], r[key]) for r in rows if key in r and x_key in r and _finite(r[key])]
+        if pts:
+            return [p[0] for p in pts], [p[1] for p in pts]
+    return [], []
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> list[Path]:
+    """Write `<out>/curves_step.png` and `<out>/curves_time.png` (out defaults to the first run dir)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {str(d): read_metrics(d) for d in run_dirs}
+    out_dir = Path(out or run_dirs[0])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    panels = [p for p in PANELS if any(_series(rows, p[1], "step")[0] for rows in runs.values())]
+    if not panels:
+        raise ValueError(f"no plottable metrics in {', '.join(runs)}")
+    written = []
+    for x_key, x_label, name in (("step", "step", "curves_step.png"), ("time", "wall-clock seconds",
+                                                                       "curves_time.png")):
+        cols = min(3, len(panels))
+        rows_n = math.ceil(len(panels) / cols)
+        fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 3.4 * rows_n), squeeze=False)
+        for ax, (title, keys) in zip(axes.flat, panels):
+            for label, rows in runs.items():
+                xs, ys = _series(rows, keys, x_key)
+                if xs:
+                    ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=Path(label).name)
+            ax.set_title(title)
+            ax.set_xlabel(x_label)
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        if len(runs) > 1:
+            axes.flat[0].legend()
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written

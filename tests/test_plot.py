@@ -1,0 +1,23 @@
+import json
+
+import pytest
+
+from pipelinerl.plot import plot_runs
+
+
+def test_plot_writes_pngs_for_several_runs(tmp_path):
+    for name, slope in (("a", 0.1), ("b", 0.2)):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": i, "time": 2.0 * i, "reward_mean": slope * i, "kl": 0.01 * i, "lag_mean": 1} for i in range(10)]
+        rows.insert(3, {"step": 3, "time": 6.0, "eval_accuracy": 0.5})
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{torn")
+    paths = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "out")
+    assert [p.name for p in paths] == ["curves_step.png", "curves_time.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_plot_of_a_non_run_directory_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run directory"):
+        plot_runs([tmp_path])
