@@ -121,6 +121,10 @@ class TrainerConfig:
     max_steps: int = 100
     save_every: int = 0  # 0 saves only at the end
     threads: int = 1
+    temperature: float = 1.0  # the sampling temperature: trainer log-probs use logits / temperature, as the engine
+    mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU | no | bf16
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (GPU)
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "trainer.lr", "must be > 0")
@@ -134,6 +138,9 @@ class TrainerConfig:
         _check_choice(self.kl_estimator, ("k1", "k2", "k3"), "trainer.kl_estimator")
         _check(self.samples_per_step >= 1, "trainer.samples_per_step", "must be at least 1")
         _check(self.max_steps >= 1, "trainer.max_steps", "must be at least 1")
+        _check(self.temperature > 0, "trainer.temperature", "must be > 0 (log-probs of greedy decoding are undefined)")
+        _check_choice(self.mixed_precision, ("auto", "no", "bf16"), "trainer.mixed_precision")
+        _check(self.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be at least 1")
 
 
 @dataclass

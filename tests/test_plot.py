@@ -9,7 +9,8 @@ def test_plot_writes_pngs_for_several_runs(tmp_path):
     for name, slope in (("a", 0.1), ("b", 0.2)):
         d = tmp_path / name
         d.mkdir()
-        rows = [{"step": i, "time": 2.0 * i, "reward_mean": slope * i, "kl": 0.01 * i, "lag_mean": 1} for i in range(10)]
+        rows = [{"step": i, "time": 2.0 * i, "reward_mean": slope * i, "kl": 0.01 * i, "lag_mean": 1}
+                for i in range(10)]
         rows.insert(3, {"step": 3, "time": 6.0, "eval_accuracy": 0.5})
         (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{torn")
     paths = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "out")

@@ -413,47 +413,59 @@ class EmbeddedEngine:
         self._retire(finished)
 
     def _admit(self) -> None:
+        """Admit the queued requests that fit, prefilling their prompts together."""
+        batch = self._take_admissible()
+        if not batch:
+            return
+        first = len(self._running)
+        heads, seqs = [], []
+        for req in batch:
+            head = first + len(seqs)
+            heads.append(head)
+            req.seqs = [_Seq(req, head + i, len(req.prompt), -1, self._generator(req.params, i))
+                        for i in range(req.params.n)]
+            seqs.extend(req.seqs)
+        logits = self.runner.prefill_batch(heads, [req.prompt for req in batch])
+        for req, head in zip(batch, heads):
+            for i in range(1, req.params.n):
+                copy_slot(self.runner, head, head + i, len(req.prompt))
+        self._running.extend(seqs)
+        self._batch_params = None
+        counts = torch.tensor([req.params.n for req in batch])
+        temperature, top_k, top_p, generators = _sampling_params(seqs)
+        tokens, logprobs = sample(logits.repeat_interleave(counts, dim=0), temperature, top_k, top_p, generators)
+        self._append(seqs, tokens.tolist(), logprobs.tolist())
+
+    def _take_admissible(self) -> list[_Request]:
+        """Pop the queued requests that fit the running limits, in order, and reserve their tokens."""
         s = self.settings
-        while True:
-            with self._cv:
-                if not self._waiting:
-                    return
+        batch: list[_Request] = []
+        running = len(self._running)
+        with self._cv:
+            while self._waiting:
                 req = self._waiting[0]
                 need = req.params.n * (len(req.prompt) + req.max_new)
-                if len(self._running) + req.params.n > s.max_running_seqs or (
-                        self._running and self._reserved_tokens + need > s.max_batch_tokens):
-                    return
+                if running + req.params.n > s.max_running_seqs or (
+                        running and self._reserved_tokens + need > s.max_batch_tokens):
+                    break
                 self._waiting.popleft()
-            self._reserved_tokens += need
-            first = len(self._running)
-            logits = self.runner.prefill(first, req.prompt)
-            for i in range(1, req.params.n):
-                copy_slot(self.runner, first, first + i, len(req.prompt))
-            p = req.params
-            gens = []
-            for i in range(p.n):
-                g = None
-                if p.seed is not None:
-                    g = torch.Generator(device=self.runner.device)
-                    g.manual_seed(p.seed + i)
-                gens.append(g)
-            req.seqs = [_Seq(req, first + i, len(req.prompt), -1, gens[i]) for i in range(p.n)]
-            self._running.extend(req.seqs)
-            self._batch_params = None
-            tokens, logprobs = sample(logits[None].expand(p.n, -1), torch.full((p.n,), p.temperature),
-                                      torch.full((p.n,), p.top_k), torch.full((p.n,), p.top_p), gens)
-            self._append(req.seqs, tokens.tolist(), logprobs.tolist())
+                self._reserved_tokens += need
+                running += req.params.n
+                batch.append(req)
+        return batch
+
+    def _generator(self, params: SamplingParams, sample_index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        g = torch.Generator(device=self.runner.device)
+        g.manual_seed(params.seed + sample_index)
+        return g
 
     def _decode_step(self) -> None:
         t0 = time.perf_counter()
         running = self._running
         if self._batch_params is None:
-            self._batch_params = (
-                torch.tensor([s.req.params.temperature for s in running]),
-                torch.tensor([s.req.params.top_k for s in running]),
-                torch.tensor([s.req.params.top_p for s in running]),
-                [s.generator for s in running],
-            )
+            self._batch_params = _sampling_params(running)
         tokens_in = torch.tensor([s.last_token for s in running])
         positions = torch.tensor([s.length for s in running])
         logits = self.runner.decode(tokens_in, positions)
@@ -521,6 +533,14 @@ class EmbeddedEngine:
         for r in reqs:
             err = ContractError(500, f"engine step failed: {type(error).__name__}: {error}", type="engine_error")
             r.loop.call_soon_threadsafe(_reject, r.future, err)
+
+
+def _sampling_params(seqs: list[_Seq]) -> tuple:
+    """Per-row (temperature, top_k, top_p, generators) of `seqs`, as `sample` takes them."""
+    return (torch.tensor([s.req.params.temperature for s in seqs]),
+            torch.tensor([s.req.params.top_k for s in seqs]),
+            torch.tensor([s.req.params.top_p for s in seqs]),
+            [s.generator for s in seqs])
 
 
 def tensor_checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -1,10 +1,22 @@
 """Forward passes with a per-sequence KV cache, for continuous batching.
 
-`SlotRunner` is the fast path for the Llama family (Llama, Qwen2, Qwen3, Mistral without sliding window):
-it reuses the Hugging Face model's own modules (projections, norms, MLP, rotary embedding) and replaces only
-the attention's cache handling. The KV cache is one tensor per layer, [slots, kv_heads, max_len, head_dim];
-running sequences occupy slots 0..B-1 contiguously (a finished sequence's slot is refilled by moving the last
-one), so a decode step attends over a view of the cache, not a gathered copy.
+`SlotRunner` is the fast path for the Llama family (Llama, Qwen2, Qwen3, Mistral without sliding window): it
+runs the layers of the Hugging Face model with its own weights but its own, leaner forward. The KV cache is
+one tensor per layer, [slots, kv_heads, max_len, head_dim]; running sequences occupy slots 0..B-1
+contiguously (a finished sequence's slot is refilled by moving the last one), so a decode step attends over a
+view of the cache, not a gathered copy. What makes it fast on small batches, where per-op overhead and not
+arithmetic dominates:
+- q/k/v projections share one matmul, and so do the MLP's gate and up projections: at construction the
+  model's parameters are re-pointed to row slices of one fused buffer per group, so there is no second copy
+  of the weights and an in-place write to a parameter (what a weight switch does) lands in the fused buffer;
+- the rotary cos/sin of every position are computed once (the same values the model's rotary module gives),
+  and q and k are rotated together;
+- RMSNorm is one fused op; a decode step builds its cache index (and, only when lengths differ, its
+  attention mask) once for all layers; the last layer's output projection and MLP run on the last prompt
+  position only during prefill;
+- on x86 CPUs, large linears go through oneDNN (`torch.ops.mkldnn._linear_pointwise`), which uses AVX-512
+  where the BLAS behind `F.linear` may not; small ones stay on `F.linear`, which has less fixed overhead;
+- prompts admitted together are prefilled in one padded forward.
 
 `HFRunner` serves any other causal LM through the model's own forward and a DynamicCache per sequence: one
 forward per sequence per step, slower, but correct for every architecture transformers loads.
@@ -12,12 +24,20 @@ forward per sequence per step, slower, but correct for every architecture transf
 
 from __future__ import annotations
 
-import sys
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 FAST_PATH_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Linears with at least this many weights use oneDNN (when available): below it F.linear's lower fixed cost wins.
+ONEDNN_MIN_WEIGHTS = 1 << 16
+# Padded tokens per prefill forward: bounds the activations of a batched prefill and the padding it wastes.
+PREFILL_CHUNK_TOKENS = 4096
+
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def supports_fast_path(model: torch.nn.Module) -> bool:
@@ -27,11 +47,74 @@ def supports_fast_path(model: torch.nn.Module) -> bool:
     if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mistral" and cfg.sliding_window):
         return False
     inner = getattr(model, "model", None)
-    return all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb"))
+    if not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb")):
+        return False
+    rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
+    return "dynamic" not in rope_type and rope_type != "longrope"  # those depend on the sequence length
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise.default(x, w, b, "none", [], "")
+
+
+def _onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN linears on this device and dtype, unless PIPELINERL_ONEDNN=0; checked once against F.linear."""
+    if os.environ.get("PIPELINERL_ONEDNN", "1") == "0" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
+        return torch.allclose(_onednn_linear(x, w, b), F.linear(x, w, b), atol=1e-5)
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _fuse_rows(modules: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) buffer for linears that share their input, with each module's parameters
+    re-pointed to a row slice of it: the same values, no extra copy, and in-place writes stay visible."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in modules])
+        biases = [m.bias for m in modules]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.out_features)
+                              for m, b in zip(modules, biases)])
+        row = 0
+        for m in modules:
+            n = m.out_features
+            m.weight.data = weight[row:row + n]
+            if m.bias is not None:
+                m.bias.data = bias[row:row + n]
+            row += n
+    return weight, bias
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights as the fast path uses them (views of the model's parameters)."""
+
+    input_norm: torch.nn.Module
+    post_norm: torch.nn.Module
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.nn.Module | None  # Qwen3 normalises q and k per head before the rotation
+    k_norm: torch.nn.Module | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    mlp: torch.nn.Module
+    gate_up_w: torch.Tensor | None  # None: an activation other than SiLU, the MLP module runs as is
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor | None
+    down_b: torch.Tensor | None
+    lin_qkv: Linear
+    lin_o: Linear
+    lin_gate_up: Linear
+    lin_down: Linear
 
 
 class SlotRunner:
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int):
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, onednn: bool | None = None):
         self.model = model
         self.inner = model.model
         cfg = model.config
@@ -40,78 +123,165 @@ class SlotRunner:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.scaling = attn0.scaling
-        self.rotary = sys.modules[type(attn0).__module__].apply_rotary_pos_emb
+        self.gqa = self.num_kv_heads != self.num_heads
         self.num_slots, self.max_len = num_slots, max_len
-        dtype = next(model.parameters()).dtype
-        device = next(model.parameters()).device
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.onednn = _onednn_usable(self.device, self.dtype) if onednn is None else onednn
+        self.layers = [self._fast_layer(layer, cfg) for layer in self.inner.layers]
         shape = (num_slots, self.num_kv_heads, max_len, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.inner.layers]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.inner.layers]
-        self.device = device
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self._k_rows = [k.view(-1, self.head_dim) for k in self.k_cache]
+        self._v_rows = [v.view(-1, self.head_dim) for v in self.v_cache]
+        # row of (slot, kv head, position 0) in the flattened cache
+        heads = torch.arange(num_slots * self.num_kv_heads, device=self.device)
+        self._row_base = (heads * max_len).view(num_slots, self.num_kv_heads)
+        self._cos, self._sin = self._rotary_tables()
+        self._lin_head = self._linear_for(model.lm_head.weight)
+
+    # --- construction --------------------------------------------------------------------------------------
+
+    def _linear_for(self, weight: torch.Tensor) -> Linear:
+        return _onednn_linear if self.onednn and weight.numel() >= ONEDNN_MIN_WEIGHTS else F.linear
+
+    def _fast_layer(self, layer: torch.nn.Module, cfg) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_w, qkv_b = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up_w = gate_up_b = down_w = down_b = None
+        if getattr(cfg, "hidden_act", None) == "silu" and all(hasattr(mlp, a) for a in ("gate_proj", "up_proj",
+                                                                                         "down_proj")):
+            gate_up_w, gate_up_b = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+            down_w, down_b = mlp.down_proj.weight, mlp.down_proj.bias
+        return _Layer(input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
+                      qkv_w=qkv_w, qkv_b=qkv_b, q_norm=getattr(attn, "q_norm", None),
+                      k_norm=getattr(attn, "k_norm", None), o_w=attn.o_proj.weight, o_b=attn.o_proj.bias,
+                      mlp=mlp, gate_up_w=gate_up_w, gate_up_b=gate_up_b, down_w=down_w, down_b=down_b,
+                      lin_qkv=self._linear_for(qkv_w), lin_o=self._linear_for(attn.o_proj.weight),
+                      lin_gate_up=self._linear_for(gate_up_w) if gate_up_w is not None else F.linear,
+                      lin_down=self._linear_for(down_w) if down_w is not None else F.linear)
+
+    def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position, [max_len, head_dim], from the model's rotary module (the same
+        values it computes per call); sin carries rotate_half's sign, so that
+        rotate(x) = x * cos + roll(x, head_dim / 2) * sin."""
+        with torch.no_grad():
+            dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
+            positions = torch.arange(self.max_len, device=self.device)[None]
+            cos, sin = self.inner.rotary_emb(dummy, positions)
+        cos, sin = cos[0].clone(), sin[0].clone()
+        half = self.head_dim // 2
+        sin[:, :half] = -sin[:, :half]
+        return cos, sin
+
+    # --- slots ---------------------------------------------------------------------------------------------
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         for k, v in zip(self.k_cache, self.v_cache):
             k[dst, :, :length].copy_(k[src, :, :length])
             v[dst, :, :length].copy_(v[src, :, :length])
 
-    def _attention_block(self, layer: torch.nn.Module, li: int, h: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, write: tuple, keys_upto: int, slots: slice | torch.Tensor,
-                         mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-        attn = layer.self_attn
-        b, q_len, _ = h.shape
-        x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(b, q_len, -1, self.head_dim)
-        k = attn.k_proj(x).view(b, q_len, -1, self.head_dim)
-        v = attn.v_proj(x).view(b, q_len, -1, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Qwen3 normalises q and k per head before the rotation
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        kc, vc = self.k_cache[li], self.v_cache[li]
-        write(kc, k)
-        write(vc, v)
-        keys, values = kc[slots, :, :keys_upto], vc[slots, :, :keys_upto]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal,
-                                             scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads)
-        out = attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-        return h + out
+    # --- the layers ----------------------------------------------------------------------------------------
 
-    def _finish(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.inner.norm(h)).float()
+    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype != torch.float32:  # the model's own norm: it computes in float32 and casts back
+            return norm(x)
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+    def _rotate_qk(self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q and k of qkv [..., heads, head_dim], normalised (Qwen3) and rotated together."""
+        h, kv = self.num_heads, self.num_kv_heads
+        qk = qkv[..., :h + kv, :]
+        if layer.q_norm is not None:
+            qk = torch.cat((layer.q_norm(qk[..., :h, :]), layer.k_norm(qk[..., h:, :])), dim=-2)
+        return qk * cos + qk.roll(self.head_dim // 2, -1) * sin
+
+    def _mlp_residual(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        x = self._norm(layer.post_norm, h)
+        if layer.gate_up_w is None:
+            return h + layer.mlp(x)
+        gate_up = layer.lin_gate_up(x, layer.gate_up_w, layer.gate_up_b)
+        inter = gate_up.shape[-1] // 2
+        return h + layer.lin_down(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], layer.down_w, layer.down_b)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.model.lm_head
+        return self._lin_head(self._norm(self.inner.norm, h), head.weight, head.bias).float()
 
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
         """Fill `slot`'s cache with the prompt; return the logits of the next token, [vocab]."""
-        n = len(token_ids)
-        ids = torch.tensor([token_ids], device=self.device)
-        h = self.inner.embed_tokens(ids)
-        cos, sin = self.inner.rotary_emb(h, torch.arange(n, device=self.device)[None])
+        return self.prefill_batch([slot], [token_ids])[0]
 
-        def write(cache: torch.Tensor, new: torch.Tensor) -> None:
-            cache[slot, :, :n].copy_(new[0])
+    @torch.inference_mode()
+    def prefill_batch(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Fill each slot's cache with its prompt (one padded forward per chunk of prompts); return the
+        logits of each prompt's next token, [len(prompts), vocab]."""
+        out, start = [], 0
+        while start < len(prompts):
+            end, longest = start + 1, len(prompts[start])
+            while end < len(prompts):
+                padded = max(longest, len(prompts[end])) * (end + 1 - start)
+                if padded > PREFILL_CHUNK_TOKENS:
+                    break
+                longest = max(longest, len(prompts[end]))
+                end += 1
+            out.append(self._prefill_chunk(slots[start:end], prompts[start:end]))
+            start = end
+        return torch.cat(out)
 
-        for li, layer in enumerate(self.inner.layers):
-            h = self._attention_block(layer, li, h, cos, sin, write, n, slice(slot, slot + 1), None, True)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self._finish(h[:, -1])[0]
+    def _prefill_chunk(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        # Right padding: causal attention never lets a prompt token see the padding after it; the padded
+        # positions' cache entries lie beyond the sequence's length, are never attended, and get overwritten.
+        b, n = len(prompts), max(len(p) for p in prompts)
+        h_, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        ids = torch.zeros(b, n, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p)
+        ids = ids.to(self.device)
+        last = torch.tensor([i * n + len(p) - 1 for i, p in enumerate(prompts)], device=self.device)
+        slot_ids = torch.tensor(list(slots), device=self.device)
+        h = self.inner.embed_tokens(ids).view(b * n, -1)
+        cos, sin = self._cos[:n, None, :], self._sin[:n, None, :]
+        for li, layer in enumerate(self.layers):
+            qkv = layer.lin_qkv(self._norm(layer.input_norm, h), layer.qkv_w, layer.qkv_b).view(b, n, -1, d)
+            qk = self._rotate_qk(layer, qkv, cos, sin).transpose(1, 2)
+            q, k, v = qk[:, :h_], qk[:, h_:], qkv[:, :, h_ + kv:].transpose(1, 2)
+            self.k_cache[li][slot_ids, :, :n] = k
+            self.v_cache[li][slot_ids, :, :n] = v
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.gqa)
+            attn = attn.transpose(1, 2).reshape(b * n, h_ * d)
+            if li == len(self.layers) - 1:  # only the last position of each prompt goes on to the logits
+                attn, h = attn[last], h[last]
+            h = h + layer.lin_o(attn, layer.o_w, layer.o_b)
+            h = self._mlp_residual(layer, h)
+        return self._logits(h)
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token for each of the B sequences in slots 0..B-1; `positions[i]` is where sequence i's token
         goes (its current length). Returns logits [B, vocab]."""
         b = token_ids.shape[0]
-        h = self.inner.embed_tokens(token_ids[:, None])
-        cos, sin = self.inner.rotary_emb(h, positions[:, None])
-        upto = int(positions.max()) + 1
-        mask = (torch.arange(upto, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-        rows = torch.arange(b, device=self.device)
-
-        def write(cache: torch.Tensor, new: torch.Tensor) -> None:
-            cache[rows, :, positions] = new[:, :, 0]
-
-        for li, layer in enumerate(self.inner.layers):
-            h = self._attention_block(layer, li, h, cos, sin, write, upto, slice(0, b), mask, False)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self._finish(h[:, 0])
+        h_, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        h = self.inner.embed_tokens(token_ids)
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]
+        lo, hi = int(positions.min()), int(positions.max())
+        upto = hi + 1
+        mask = None  # equal lengths: every row attends to all keys up to its position
+        if lo != hi:
+            mask = (torch.arange(upto, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        rows = (self._row_base[:b] + positions[:, None]).view(-1)
+        for li, layer in enumerate(self.layers):
+            qkv = layer.lin_qkv(self._norm(layer.input_norm, h), layer.qkv_w, layer.qkv_b).view(b, -1, d)
+            qk = self._rotate_qk(layer, qkv, cos, sin)
+            self._k_rows[li].index_copy_(0, rows, qk[:, h_:].reshape(b * kv, d))
+            self._v_rows[li].index_copy_(0, rows, qkv[:, h_ + kv:].reshape(b * kv, d))
+            keys, values = self.k_cache[li][:b, :, :upto], self.v_cache[li][:b, :, :upto]
+            attn = F.scaled_dot_product_attention(qk[:, :h_, None], keys, values, attn_mask=mask,
+                                                  scale=self.scaling, enable_gqa=self.gqa)
+            h = h + layer.lin_o(attn.reshape(b, h_ * d), layer.o_w, layer.o_b)
+            h = self._mlp_residual(layer, h)
+        return self._logits(h)
 
 
 class HFRunner:
@@ -139,6 +309,9 @@ class HFRunner:
         ids = torch.tensor([token_ids], device=self.device)
         out = self.model(input_ids=ids, past_key_values=self.caches[slot], use_cache=True)
         return out.logits[0, -1].float()
+
+    def prefill_batch(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        return torch.stack([self.prefill(s, list(p)) for s, p in zip(slots, prompts)])
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     """logits [B, V] float32; per-row temperature (0 = greedy), top_k (0 = off), top_p (1 = off).
     Returns (token ids [B], log-probs [B])."""
     greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    if bool(greedy.all()):
+    if bool(greedy.all()):  # the common evaluation case: no scaling, no noise
         tokens = logits.argmax(-1)
-        return tokens, logp.gather(1, tokens[:, None])[:, 0]
+        return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
 
     filtered = logp
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
