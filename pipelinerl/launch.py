@@ -1,27 +1,24 @@
 """The launcher role: `pipelinerl run RECIPE.yaml [overrides]`.
 
-It resolves the config into the run directory, prepares the model, starts the engine processes and watches
-them. What it runs after that is, for now, the in-flight smoke run below: the full actor / reward / trainer
-pipeline is not built yet (see the project's issues), so the launcher plays the trainer's side of the weight
-protocol itself and shows the part that exists working for real: engines generating while new weights arrive.
+It resolves the config into the run directory, prepares the model, starts the engines, waits for them to be
+healthy, then starts the trainer and the actor, each as its own process, and watches all of them: if one dies
+the run stops with the cause and the child's last log lines; Ctrl-C stops every child. A rerun in the same
+run directory resumes from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from pipelinerl.config import ConfigError, RunConfig, load_config, save_resolved_config
-from pipelinerl.engines.client import EngineClient, init_group_on_engines, push_weights
+from pipelinerl.engines.client import EngineClient
 from pipelinerl.procs import engine_command, start_process, stop_process, tail
-from pipelinerl.weight_sync import init_weight_update_group
 
 
 def prepare_model(cfg: RunConfig) -> Path:
@@ -72,73 +69,63 @@ class Engines:
             stop_process(p)
 
 
-def smoke_run(cfg: RunConfig, engines: Engines, model_path: Path, run_dir: Path) -> dict:
-    """Generate groups on every engine while pushing `trainer.max_steps` weight updates in flight."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class ChildFailed(RuntimeError):
+    pass
 
-    torch.set_num_threads(cfg.trainer.threads)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    ws = cfg.weight_sync
-    world, futures = init_group_on_engines(engines.clients, ws.master_address, ws.master_port, ws.backend,
-                                           ws.group_name, ws.timeout_s)
-    group = init_weight_update_group(ws.master_address, ws.master_port, 0, world, ws.backend, ws.group_name,
-                                     ws.timeout_s)
-    for f in futures:
-        f.result()
-    prompts = [tokenizer.encode(f"{a}+{b}=") for a in range(10, 18) for b in range(3, 7)]
-    stop = threading.Event()
-    results = []
 
-    def generate(i: int) -> None:
-        client = engines.clients[i % len(engines.clients)]
-        while not stop.is_set():
-            out = client.generate(prompts[i % len(prompts)], temperature=cfg.sampling.temperature,
-                                  max_new_tokens=cfg.sampling.max_new_tokens, n=cfg.sampling.group_size,
-                                  ignore_eos=True)
-            results.append(out)
-            i += 7
+def _new_rows(path: Path, offset: int) -> tuple[list[dict], int]:
+    if not path.exists():
+        return [], offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+    end = chunk.rfind(b"\n") + 1
+    rows = []
+    for line in chunk[:end].splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows, offset + end
 
-    metrics_path = run_dir / "metrics.jsonl"
-    start = time.monotonic()
-    with ThreadPoolExecutor(cfg.actor.concurrency // cfg.sampling.group_size or 1) as pool, \
-            open(metrics_path, "a") as metrics_file:
-        workers = [pool.submit(generate, i) for i in range(cfg.actor.concurrency // cfg.sampling.group_size or 1)]
-        named = list(model.named_parameters())
-        g = torch.Generator().manual_seed(cfg.seed)
-        for version in tqdm(range(1, cfg.trainer.max_steps + 1), desc="in-flight updates", unit="update"):
-            engines.check()
-            time.sleep(0.5)  # stands in for an optimizer step
-            with torch.no_grad():
-                for _, p in named:
-                    p.add_(torch.randn(p.shape, generator=g) * 1e-3)
-            t0 = time.monotonic()
-            resp = push_weights(group, engines.clients, [(n, p.detach()) for n, p in named], version,
-                                int(ws.bucket_mb * 2**20))
-            row = {"version": version, "time": time.monotonic() - start, "push_s": time.monotonic() - t0,
-                   "bytes": resp[0].received_bytes, "switch_s": max(r.switch_s for r in resp),
-                   "completions": sum(len(r.completions) for r in results)}
-            metrics_file.write(json.dumps(row) + "\n")
-        stop.set()
-        for w in workers:
-            w.result()
-    elapsed = time.monotonic() - start
-    completions = [c for r in results for c in r.completions]
-    mixed = sum(1 for c in completions if len(set(c.versions)) > 1)
-    engine_metrics = [c.metrics() for c in engines.clients]
-    group.destroy()
-    return {
-        "seconds": round(elapsed, 2),
-        "completions": len(completions),
-        "tokens": sum(len(c.token_ids) for c in completions),
-        "tokens_per_s": round(sum(len(c.token_ids) for c in completions) / elapsed, 1),
-        "completions_spanning_an_update": mixed,
-        "weight_versions_seen": sorted({v for c in completions for v in c.versions}),
-        "updates_applied_while_running": sum(m["pipelinerl_weight_updates_while_running_total"]
-                                             for m in engine_metrics),
-        "mean_switch_ms": round(1000 * sum(m["pipelinerl_weight_update_switch_seconds_total"]
-                                           for m in engine_metrics) / max(1, cfg.trainer.max_steps), 3),
+
+def run_pipeline(cfg: RunConfig, engines: Engines, run_dir: Path) -> None:
+    """Start the trainer and the actor beside the engines, show progress, stop everything at the end."""
+    urls = ",".join(c.url for c in engines.clients)
+    config = str(run_dir / "config.yaml")
+    shutil.rmtree(run_dir / "streams" / "control", ignore_errors=True)  # control messages are per launch
+    roles = {
+        "trainer": ([sys.executable, "-m", "pipelinerl.train", config, "--engines", urls], cfg.trainer.threads),
+        "actor": ([sys.executable, "-m", "pipelinerl.actor", config, "--engines", urls], 1),
     }
+    children = {name: start_process(cmd, run_dir / "logs" / f"{name}.log", threads=threads)
+                for name, (cmd, threads) in roles.items()}
+    metrics_path = run_dir / "metrics.jsonl"
+    _, offset = _new_rows(metrics_path, 0)  # a resumed run: show only new steps
+    bar = tqdm(total=cfg.trainer.max_steps, desc="steps", unit="step", mininterval=1.0, dynamic_ncols=True)
+    try:
+        while True:
+            engines.check()
+            for name, proc in children.items():
+                code = proc.poll()
+                if code is not None and code != 0:  # the actor exits 0 on the trainer's "done"
+                    log = run_dir / "logs" / f"{name}.log"
+                    raise ChildFailed(f"{name} exited with code {code}\n--- last lines of {log} ---\n{tail(log)}")
+            rows, offset = _new_rows(metrics_path, offset)
+            for row in rows:
+                bar.n = row["step"]
+                bar.set_postfix({"samples/s": f"{row['samples_per_s']:.1f}", "tok/s": f"{row['tokens_per_s']:.0f}",
+                                 "reward": f"{row['reward_mean']:.3f}", "lag": f"{row.get('lag_mean', 0):.2f}"},
+                                refresh=False)
+                bar.refresh()
+            if children["trainer"].poll() == 0:
+                children["actor"].wait(timeout=60)  # it stops on the trainer's "done" message
+                return
+            time.sleep(0.5)
+    finally:
+        bar.close()
+        for proc in children.values():
+            stop_process(proc)
 
 
 def main(recipe: str, overrides: list[str]) -> int:
@@ -154,16 +141,14 @@ def main(recipe: str, overrides: list[str]) -> int:
     try:
         print(f"starting {cfg.engine.num_engines} {cfg.engine.kind} engine(s); logs in {run_dir / 'logs'}")
         engines.wait_healthy()
-        summary = smoke_run(cfg, engines, model_path, run_dir)
+        run_pipeline(cfg, engines, run_dir)
     except KeyboardInterrupt:
-        print("interrupted; stopping the engines", file=sys.stderr)
+        print("interrupted; all processes of the run stopped", file=sys.stderr)
         return 130
     except RuntimeError as e:
         print(f"pipelinerl: run failed: {e}", file=sys.stderr)
         return 1
     finally:
         engines.stop()
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
-    print(f"resolved config, metrics and summary in {run_dir}")
+    print(f"done: metrics in {run_dir / 'metrics.jsonl'}, final model in {run_dir / 'final_model'}")
     return 0

@@ -1,0 +1,196 @@
+"""The actor role: keeps every engine busy, scores finished groups, and streams them to the trainer.
+
+`python -m pipelinerl.actor RUN_DIR/config.yaml --engines URL[,URL]`
+
+Flow: a train problem -> one /v1/generate with n = group_size on the least-loaded engine -> the reward pool
+scores every attempt -> the whole group is appended to the samples stream (or dropped and counted when dynamic
+sampling is on and all its rewards are equal). Generation never waits for training, except where `max_lag`
+says a new group would reach the trainer too stale: a group started now, behind the samples already streamed
+or in flight, is consumed at trainer step floor((streamed + in_flight) / samples_per_step); it may start only
+if that step is at most `max_lag` versions ahead of the weights the engines hold now. With `max_lag: 0` this
+is synchronous RL: one batch per version, generated, trained on, then the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import signal
+import time
+from pathlib import Path
+
+from pipelinerl.config import RunConfig, load_config
+from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
+from pipelinerl.engines.client import AsyncEngineClient
+from pipelinerl.rewards import RewardPool, RewardResult
+from pipelinerl.rewards.shaping import shape_reward
+from pipelinerl.samples import Sample
+from pipelinerl.streams import StreamReader, StreamWriter
+from pipelinerl.tasks import reward_item, task_from_config
+
+log = logging.getLogger("pipelinerl.actor")
+
+
+def streams_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "streams"
+
+
+class Actor:
+    def __init__(self, cfg: RunConfig, engine_urls: list[str]):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.task = task_from_config(cfg.task)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.engines = [AsyncEngineClient(u) for u in engine_urls]
+        self.samples = StreamWriter(streams_dir(self.run_dir) / "samples", "actor")
+        self.control = StreamReader(streams_dir(self.run_dir) / "control")
+        self.state_path = self.run_dir / "actor_state.json"
+        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        self.problems = self.task.train_problems()
+        self.order = list(range(len(self.problems)))
+        random.Random(cfg.seed).shuffle(self.order)
+        self.next_problem = state.get("next_problem", 0)
+        self.streamed = state.get("streamed_samples", 0)  # samples the trainer will read, in order
+        self.in_flight = 0  # samples being generated or scored
+        self.trainer_version = 0
+        self.done = False
+        self.counts = {"groups_started": 0, "groups_streamed": 0, "groups_dropped_equal_rewards": 0,
+                       "groups_failed": 0, "samples_streamed": self.streamed}
+        self.started = time.monotonic()
+
+    # --- the loop --------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        per_engine_groups = max(1, cfg.actor.concurrency // cfg.sampling.group_size)
+        tasks: set[asyncio.Task] = set()
+        with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+            self.pool = pool
+            last_report = 0.0
+            while not self.done:
+                self._read_control()
+                capacity = per_engine_groups * len(self.engines) - len(tasks)
+                while capacity > 0 and not self.done and self._may_start_group():
+                    task = asyncio.create_task(self._group(self._take_problem()))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    capacity -= 1
+                if time.monotonic() - last_report > 5:
+                    self._report()
+                    last_report = time.monotonic()
+                await asyncio.sleep(0.02)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._report()
+        for e in self.engines:
+            await e.aclose()
+        self.samples.close()
+
+    def _may_start_group(self) -> bool:
+        g, b = self.cfg.sampling.group_size, self.cfg.trainer.samples_per_step
+        consumed_at_step = (self.streamed + self.in_flight) // b
+        if consumed_at_step >= self.cfg.trainer.max_steps:
+            return False  # enough samples for the whole run are streamed or on their way
+        return consumed_at_step - self.trainer_version <= self.cfg.actor.max_lag and g > 0
+
+    def _take_problem(self) -> dict:
+        index = self.order[self.next_problem % len(self.order)]
+        self.next_problem += 1
+        if self.next_problem % len(self.order) == 0:  # a new epoch, a new order
+            random.Random(self.cfg.seed + self.next_problem).shuffle(self.order)
+        return self.problems[index]
+
+    def _read_control(self) -> None:
+        for msg in self.control.read():
+            if msg.get("kind") == "version":
+                self.trainer_version = max(self.trainer_version, int(msg["version"]))
+            elif msg.get("kind") == "done":
+                self.done = True
+
+    # --- one group ---------------------------------------------------------------------------------------------
+
+    async def _group(self, problem: dict) -> None:
+        cfg = self.cfg
+        g = cfg.sampling.group_size
+        self.in_flight += g
+        self.counts["groups_started"] += 1
+        try:
+            samples = await self._generate_and_score(problem)
+        except asyncio.CancelledError:
+            self.in_flight -= g
+            raise
+        except Exception as e:  # an engine error loses this group only; the run goes on
+            log.warning("group for problem %s failed: %s", problem.get("id"), e)
+            self.counts["groups_failed"] += 1
+            self.in_flight -= g
+            return
+        self.in_flight -= g
+        if cfg.actor.dynamic_sampling and len({s.reward for s in samples}) == 1:
+            self.counts["groups_dropped_equal_rewards"] += 1
+            return
+        self.samples.write_many([s.model_dump() for s in samples])
+        self.streamed += len(samples)
+        self.counts["groups_streamed"] += 1
+        self.counts["samples_streamed"] = self.streamed
+        self.state_path.write_text(json.dumps({"next_problem": self.next_problem,
+                                               "streamed_samples": self.streamed}))
+
+    async def _generate_and_score(self, problem: dict) -> list[Sample]:
+        cfg = self.cfg
+        prompt_ids = self.tokenizer.encode(self.task.prompt(problem))
+        engine = min(self.engines, key=lambda e: e.in_flight)
+        t0 = time.monotonic()
+        req = GenerateRequest(prompt_token_ids=prompt_ids, sampling=SamplingParams(
+            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+            max_new_tokens=cfg.sampling.max_new_tokens, n=cfg.sampling.group_size))
+        resp = await engine.generate(req)
+        t_gen = time.monotonic() - t0
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in resp.completions]
+        items = [reward_item(problem, text, c.finish_reason) for text, c in zip(texts, resp.completions)]
+        results = await self.pool.score_async(self.task.reward_fn, items)
+        t_reward = time.monotonic() - t0 - t_gen
+        group_id = f"{problem.get('id', 'p')}-{self.counts['groups_started']}"
+        return [self._sample(group_id, prompt_ids, c, r, {"generate_s": t_gen, "reward_s": t_reward})
+                for c, r in zip(resp.completions, results)]
+
+    def _sample(self, group_id: str, prompt_ids: list[int], completion, result: RewardResult,
+                timings: dict[str, float]) -> Sample:
+        correct = bool(result.parts.get("correct", result.reward > 0))
+        reward, shaping = shape_reward(result.reward, correct, len(completion.token_ids), completion.finish_reason,
+                                       self.cfg.sampling.max_new_tokens, self.trainer_version, self.cfg.reward)
+        return Sample(group_id=group_id, prompt_token_ids=prompt_ids, output_token_ids=completion.token_ids,
+                      behav_logprobs=completion.logprobs, versions=completion.versions,
+                      finish_reason=completion.finish_reason, reward=reward,
+                      reward_parts={**result.parts, **shaping, "correct": float(correct)},
+                      reward_info=result.info, task=self.task.name, timings=timings)
+
+    def _report(self) -> None:
+        row = {"time": time.monotonic() - self.started, "trainer_version": self.trainer_version,
+               "in_flight": self.in_flight, **self.counts,
+               **{f"reward_{k}": v for k, v in self.pool.stats().items()}}
+        with open(self.run_dir / "actor_metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipelinerl.actor", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="the run's resolved config.yaml")
+    parser.add_argument("--engines", required=True, help="comma-separated engine URLs")
+    args = parser.parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.basicConfig(level="INFO", format="%(asctime)s actor %(levelname)s %(message)s")
+    cfg = load_config(args.config)
+    actor = Actor(cfg, args.engines.split(","))
+    signal.signal(signal.SIGTERM, lambda *_: setattr(actor, "done", True))
+    asyncio.run(actor.run())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

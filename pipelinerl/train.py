@@ -1,0 +1,136 @@
+"""The trainer role: read scored samples from the stream, take optimizer steps, push weights to the engines.
+
+`python -m pipelinerl.train RUN_DIR/config.yaml --engines URL[,URL]`
+
+Each step takes the next `samples_per_step` samples in stream order (whole groups: the actor writes a group in
+one append and `samples_per_step` is a multiple of the group size), drops any whose first token is more than
+`max_lag` versions old (counted; the actor's admission control should make this rare), trains, broadcasts the
+new weights into the running engines, and announces the new version on the control stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+from pipelinerl.actor import streams_dir
+from pipelinerl.config import RunConfig, load_config
+from pipelinerl.samples import Sample
+from pipelinerl.streams import StreamReader, StreamWriter
+from pipelinerl.trainer import Trainer
+from pipelinerl.trainer.checkpoint import checkpoint_dir, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+
+log = logging.getLogger("pipelinerl.train")
+
+
+class SampleFeed:
+    """Samples in stream order, resumable by count."""
+
+    def __init__(self, run_dir: Path, skip: int):
+        self.reader = StreamReader(streams_dir(run_dir) / "samples")
+        self.buffer: deque[dict] = deque()
+        self.consumed = 0
+        while self.consumed < skip:  # resume: the first `skip` samples were trained on before
+            self._fill(block=True)
+            while self.buffer and self.consumed < skip:
+                self.buffer.popleft()
+                self.consumed += 1
+
+    def _fill(self, block: bool) -> None:
+        while True:
+            self.buffer.extend(self.reader.read())
+            if self.buffer or not block:
+                return
+            time.sleep(0.02)
+
+    def take(self, n: int) -> list[Sample]:
+        out = []
+        while len(out) < n:
+            self._fill(block=True)
+            while self.buffer and len(out) < n:
+                out.append(Sample.model_validate(self.buffer.popleft()))
+                self.consumed += 1
+        return out
+
+
+def batch_metrics(batch: list[Sample]) -> dict[str, float]:
+    n = max(1, len(batch))
+    return {
+        "reward_mean": sum(s.reward for s in batch) / n,
+        "accuracy": sum(s.reward_parts.get("correct", 0.0) for s in batch) / n,
+        "output_tokens_mean": sum(len(s.output_token_ids) for s in batch) / n,
+        "truncated_frac": sum(s.finish_reason == "length" for s in batch) / n,
+        "mixed_version_frac": sum(len(set(s.versions)) > 1 for s in batch) / n,
+    }
+
+
+def train(cfg: RunConfig, engine_urls: list[str]) -> None:
+    run_dir = Path(cfg.run_dir)
+    trainer = Trainer(cfg.model.path, cfg.trainer, cfg.weight_sync, cfg.model.dtype, cfg.seed)
+    position: dict = {}
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        position = load_checkpoint(trainer, ckpt)
+        log.info("resumed from %s at version %d", ckpt, trainer.version)
+    group = trainer.connect_engines(engine_urls)
+    if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights
+        trainer.broadcast_weights(group, engine_urls)
+    control = StreamWriter(streams_dir(run_dir) / "control", "trainer")
+    control.write({"kind": "version", "version": trainer.version})
+    feed = SampleFeed(run_dir, position.get("consumed_samples", 0))
+    stale_dropped = position.get("stale_dropped", 0)
+    started = time.monotonic() - position.get("elapsed_s", 0.0)
+    last = time.monotonic()
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
+        while trainer.version < cfg.trainer.max_steps:
+            batch = feed.take(cfg.trainer.samples_per_step)
+            fresh = [s for s in batch if s.lag(trainer.version) <= cfg.actor.max_lag]
+            stale_dropped += len(batch) - len(fresh)
+            waited = time.monotonic() - last
+            stats = trainer.optimizer_step(fresh) if fresh else {"skipped": 1.0}
+            sync = trainer.broadcast_weights(group, engine_urls)
+            control.write({"kind": "version", "version": trainer.version})
+            now = time.monotonic()
+            tokens = sum(len(s.output_token_ids) for s in batch)
+            row = {"step": trainer.version, "time": now - started, "samples": len(batch),
+                   "samples_per_s": len(batch) / (now - last), "tokens_per_s": tokens / (now - last),
+                   "wait_for_samples_s": waited, "broadcast_s": sync.seconds, "broadcast_bytes": sync.bytes,
+                   "stale_dropped": stale_dropped, "min_version_in_batch": min(s.oldest_version for s in batch),
+                   **batch_metrics(batch), **stats}
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            last = now
+            if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0:
+                save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped,
+                                                                                            started))
+    save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped, started))
+    export_hf(trainer, run_dir / "final_model")
+    control.write({"kind": "done", "version": trainer.version})
+    control.close()
+    trainer.close()
+    if group is not None:
+        group.destroy()
+
+
+def _position(feed: SampleFeed, stale_dropped: int, started: float) -> dict:
+    return {"consumed_samples": feed.consumed, "stale_dropped": stale_dropped,
+            "elapsed_s": time.monotonic() - started}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipelinerl.train", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="the run's resolved config.yaml")
+    parser.add_argument("--engines", required=True, help="comma-separated engine URLs")
+    args = parser.parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.basicConfig(level="INFO", format="%(asctime)s trainer %(levelname)s %(message)s")
+    train(load_config(args.config), args.engines.split(","))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
