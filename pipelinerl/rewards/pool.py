@@ -1,0 +1,313 @@
+"""A pool of worker processes that score completions with a per-answer timeout and crash isolation.
+
+Why processes: reward checks run third-party code (sympy via math-verify, user verifiers) that can hang, blow up
+memory or segfault. In a separate process such a check costs one reward (0, with the reason recorded) and one
+worker restart, never the actor. The workers are started with `spawn` (or `forkserver`) because the parent is
+multi-threaded (asyncio actor, HTTP clients, this pool's own threads) and `fork` would copy held locks.
+
+Design: one feeder thread per worker. It takes a job from a shared queue, sends it down the worker's pipe and waits
+for the answer with a deadline; on a timeout it kills the worker, on a dead pipe it reads the exit code, and in both
+cases it starts a fresh worker and carries on. Callers get `concurrent.futures.Future`s, so a blocking caller and
+an asyncio caller (`asyncio.wrap_future`, `score_async`) share one mechanism and the event loop never blocks.
+
+The scoring function travels by reference ("module:name"), so it must be a top-level function the worker can
+import; it takes one plain dict and returns a float, `(float, parts)`, `(float, parts, info)` or a `RewardResult`.
+An optional `fn.warmup()` attribute runs once per worker, outside the timeout (see `_worker_main`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = ("scored", "timeouts", "crashes", "errors", "workers_replaced")
+ScoreFn = Callable[[dict], Any] | str
+
+
+@dataclass
+class RewardResult:
+    """One scored completion: the reward, its named components (e.g. `correct`) and why, when it is not plain."""
+
+    reward: float
+    parts: dict[str, float] = field(default_factory=dict)
+    info: str = ""
+
+
+def function_ref(fn: ScoreFn) -> str:
+    """"module:name" of a top-level function: the only form a fresh worker process can import.
+
+    Checked in the caller, so a lambda or closure fails at submit time with a clear message instead of as a
+    pickling error inside a feeder thread.
+    """
+    if isinstance(fn, str):
+        if ":" not in fn:
+            raise ValueError(f"scoring function reference {fn!r} must look like 'package.module:function'")
+        return fn
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or not name or "<" in name or "." in name:
+        raise ValueError(f"{fn!r} is not a top-level function: worker processes import the scoring function by "
+                         "module and name, so lambdas, closures and methods cannot be used")
+    return f"{module}:{name}"
+
+
+def resolve(ref: str) -> Callable[[dict], Any]:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def to_result(out: Any) -> RewardResult:
+    """Normalise what a scoring function returned; a malformed or non-finite reward is an error, not a 0."""
+    if isinstance(out, RewardResult):
+        reward, parts, info = out.reward, out.parts, out.info
+    elif isinstance(out, tuple) and len(out) in (2, 3):
+        reward, parts, info = out[0], out[1], (out[2] if len(out) == 3 else "")
+    else:
+        reward, parts, info = out, {}, ""
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise TypeError(f"scoring function returned reward {reward!r}; expected a finite float")
+    return RewardResult(float(reward), {str(k): float(v) for k, v in dict(parts).items()}, str(info))
+
+
+def _exit_with_parent() -> None:
+    """A worker stuck in a check would outlive a killed parent; a watchdog thread ends it instead."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def _nothing() -> None:
+    pass
+
+
+def _worker_main(conn: Connection, preload: tuple[str, ...]) -> None:
+    """Worker loop: receive (ref, item), say "start" once the function is ready, run it, send the result.
+
+    The "start" message lets the parent exclude import time (sympy takes seconds on a cold process) from the
+    per-answer timeout: a scoring function may carry a `warmup` attribute, a no-argument callable run once per
+    worker before its first check. Checks run in this process's main thread, so signal-based timeouts work.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes the pool
+    _exit_with_parent()
+    for module in preload:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # the job that needs it will report the error
+            logger.warning("reward worker could not preload %s: %s", module, e)
+    functions: dict[str, Callable[[dict], Any]] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        ref, item = msg
+        try:
+            if ref not in functions:
+                fn = resolve(ref)
+                getattr(fn, "warmup", _nothing)()  # heavy imports, before the clock starts
+                functions[ref] = fn
+            conn.send(("start", None))
+            reply = ("ok", to_result(functions[ref](item)))
+        except Exception as e:
+            reply = ("error", f"{type(e).__name__}: {e}")
+        conn.send(reply)
+
+
+class RewardPool:
+    """N worker processes scoring items with `fn(item)`; see the module docstring.
+
+    Use as a context manager (or call `start()` / `close()`). `score` blocks; `score_async` awaits without
+    blocking the event loop; `submit` returns a `concurrent.futures.Future[RewardResult]`. A failed check gives
+    `RewardResult(0.0, {}, reason)` with reason "timeout: ...", "crash: exit code N" or "error: Type: message".
+    Counters (`stats()`): scored (checks that returned a reward), timeouts, crashes, errors, workers_replaced.
+
+    `timeout_s` bounds each check from the moment the worker starts it; `start_timeout_s` separately bounds a
+    fresh worker's start-up, the import of the scoring function and its warmup. `preload` names modules every
+    worker imports as soon as it starts.
+    """
+
+    def __init__(self, workers: int = 1, timeout_s: float = 5.0, start_method: str = "spawn",
+                 preload: Iterable[str] = (), start_timeout_s: float = 120.0) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"start_method must be spawn or forkserver (the parent has threads), got {start_method!r}")
+        self.workers, self.timeout_s, self.start_timeout_s = workers, timeout_s, start_timeout_s
+        self.preload = tuple(preload)
+        self._ctx = mp.get_context(start_method)
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._procs: list[tuple[Any, Connection] | None] = [None] * workers
+        self._threads: list[threading.Thread] = []
+        self._started = self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self) -> RewardPool:
+        with self._lock:
+            if self._started:
+                return self
+            self._started = True
+        for slot in range(self.workers):
+            self._procs[slot] = self._spawn(slot)
+        for slot in range(self.workers):
+            thread = threading.Thread(target=self._feed, args=(slot,), name=f"reward-feeder-{slot}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def close(self) -> None:
+        """Stop the workers. Queued jobs are cancelled; jobs in flight fail with RuntimeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                job[2].cancel()
+            for _ in self._threads:
+                self._jobs.put(None)
+        for entry in self._procs:
+            if entry is not None:
+                entry[0].kill()  # interrupts checks in flight; idle workers would stop on the sentinel anyway
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> RewardPool:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- scoring -----------------------------------------------------------------------------------------------
+
+    def submit(self, fn: ScoreFn, item: dict) -> concurrent.futures.Future:
+        ref = function_ref(fn)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed or not self._started:
+                raise RuntimeError("reward pool is not running (use it as a context manager or call start())")
+            self._jobs.put((ref, item, future))
+        return future
+
+    def score(self, fn: ScoreFn, items: Iterable[dict]) -> list[RewardResult]:
+        futures = [self.submit(fn, item) for item in items]
+        return [f.result() for f in futures]
+
+    async def score_async(self, fn: ScoreFn, items: Iterable[dict]) -> list[RewardResult]:
+        futures = [asyncio.wrap_future(self.submit(fn, item)) for item in items]
+        return list(await asyncio.gather(*futures))
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def _spawn(self, slot: int) -> tuple[Any, Connection]:
+        parent_end, child_end = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker_main, args=(child_end, self.preload), name=f"reward-worker-{slot}",
+                                 daemon=True)
+        proc.start()
+        child_end.close()  # so the parent sees EOF when the worker dies
+        return proc, parent_end
+
+    def _feed(self, slot: int) -> None:
+        while (job := self._jobs.get()) is not None:
+            ref, item, future = job
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                future.set_result(self._score_on(slot, ref, item))
+            except Exception as e:  # pool closing, or a failed respawn: fail this job, keep the feeder alive
+                future.set_exception(e)
+        _stop(*self._procs[slot], kill=False)
+
+    def _score_on(self, slot: int, ref: str, item: dict) -> RewardResult:
+        proc, conn = self._procs[slot]
+        result, outcome = self._run(proc, conn, ref, item)
+        if outcome in ("timeouts", "crashes"):
+            _stop(proc, conn, kill=True)
+            if self._closed:
+                raise RuntimeError("reward pool closed while the check was running")
+            logger.warning("reward worker %d replaced after %s", slot, result.info)
+            self._procs[slot] = self._spawn(slot)
+            self._count("workers_replaced")
+        self._count(outcome)
+        return result
+
+    def _run(self, proc: Any, conn: Connection, ref: str, item: dict) -> tuple[RewardResult, str]:
+        """One job on one worker: (result, counter name). The deadline starts when the worker says "start"."""
+        try:
+            conn.send((ref, item))
+        except (OSError, EOFError):  # the worker died while idle
+            return _crashed(proc), "crashes"
+        except Exception as e:  # the item could not be pickled; nothing reached the worker
+            return RewardResult(0.0, {}, f"error: cannot send item: {type(e).__name__}: {e}"), "errors"
+        started = False
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not conn.poll(remaining):
+                what = f"no result within {self.timeout_s:g} s" if started else \
+                    f"the worker did not start the check within {self.start_timeout_s:g} s"
+                return RewardResult(0.0, {}, f"timeout: {what}"), "timeouts"
+            try:
+                kind, value = conn.recv()
+            except (EOFError, OSError):
+                return _crashed(proc), "crashes"
+            if kind == "start":
+                started, deadline = True, time.monotonic() + self.timeout_s
+            elif kind == "ok":
+                return value, "scored"
+            else:
+                return RewardResult(0.0, {}, f"error: {value}"), "errors"
+
+
+def _crashed(proc: Any) -> RewardResult:
+    proc.join(timeout=5.0)
+    return RewardResult(0.0, {}, f"crash: exit code {proc.exitcode}")
+
+
+def _stop(proc: Any, conn: Connection, kill: bool) -> None:
+    if not kill:
+        try:
+            conn.send(None)
+        except (OSError, EOFError, ValueError):
+            pass
+        proc.join(timeout=2.0)
+    if proc.is_alive():
+        proc.kill()
+    proc.join()
+    conn.close()

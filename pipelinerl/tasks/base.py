@@ -1,0 +1,30 @@
+"""What a task is: a dataset of prompts plus a verifier.
+
+The actor needs four things from a task: the problems to train on, the held-out problems to evaluate on, the
+text to feed the model for a problem, and a scoring function the reward pool can run in a worker process. The
+scoring function is a top-level function (imported by module and name in the worker) taking the dict built by
+`reward_item`; it returns a `RewardResult` (or a float, or `(float, parts)`) and puts 1/0 correctness in
+`parts["correct"]`, which length shaping and accuracy metrics read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+    reward_fn: Callable[[dict], Any]
+
+    def train_problems(self) -> list[dict]: ...
+
+    def eval_problems(self) -> list[dict]: ...
+
+    def prompt(self, problem: dict) -> str: ...
+
+
+def reward_item(problem: dict, completion: str, finish_reason: str, **extra: Any) -> dict:
+    """The plain dict a task's `reward_fn` receives: picklable, so it can cross into a reward worker."""
+    return {"problem": problem, "completion": completion, "finish_reason": finish_reason, **extra}

@@ -1,0 +1,173 @@
+"""Math word problems with LaTeX gold answers, from local JSON/JSONL files or the Hugging Face hub.
+
+Every loader returns problems as {"id", "problem", "answer", "source"}, whatever the file looked like:
+- Open-Reasoner-Zero eval files: a JSON list of {"prompt": [{"from": "user", "value": ...}], "final_answer": ...};
+- Open-Reasoner-Zero training files: a JSON list of [{"from": "human", "value": ...},
+  {"from": "assistant", "ground_truth": {"value": ...}}];
+- plain records: {"problem" | "question" | "prompt": ..., "answer" | "final_answer" | "solution": ...}, where a
+  solution's last \\boxed{} is the answer and a GSM8K-style "... #### 42" answer is cut to "42".
+Hub datasets (MATH-500 is "HuggingFaceH4/MATH-500", AIME 2024 "HuggingFaceH4/aime_2024") need the optional
+`datasets` package and a reachable hub; a "name:split" suffix picks the split (default: test, else train).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipelinerl.rewards.math import last_boxed, score_math, score_orz
+
+ORZ_TEMPLATE = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The "
+    "Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. "
+    "The reasoning process is enclosed within <think> </think> and answer is enclosed within <answer> </answer> "
+    "tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>. "
+    "User: You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
+    "And your final answer will be extracted automatically by the \\boxed{{}} tag.\n"
+    "This is the problem:\n{problem}\nAssistant: <think>"
+)
+TEMPLATES = {
+    "orz": ORZ_TEMPLATE,
+    "boxed": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
+    "plain": "{problem}",
+}
+REWARDS: dict[str, Callable[[dict], Any]] = {"math": score_math, "orz": score_orz}
+_LOCAL_SUFFIXES = (".json", ".jsonl")
+
+
+def _user_turn(turns: list) -> str | None:
+    for turn in turns:
+        if isinstance(turn, dict) and turn.get("from") in ("user", "human") and "value" in turn:
+            return str(turn["value"])
+    return None
+
+
+def _gold_from_turns(turns: list) -> Any:
+    for turn in turns:
+        if isinstance(turn, dict) and isinstance(turn.get("ground_truth"), dict):
+            return turn["ground_truth"].get("value")
+    return None
+
+
+def _problem_text(item: dict) -> str | None:
+    for key in ("problem", "question"):
+        if isinstance(item.get(key), str):
+            return item[key]
+    prompt = item.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return _user_turn(prompt)
+    return None
+
+
+def _answer_text(item: dict) -> str | None:
+    for key in ("final_answer", "answer", "gold", "ground_truth"):
+        value = item.get(key)
+        if value is not None and not isinstance(value, (dict, list)):
+            text = str(value)
+            return text.split("####")[-1].strip() if "####" in text else text.strip()
+    if isinstance(item.get("solution"), str):
+        return last_boxed(item["solution"])
+    return None
+
+
+def normalize(item: Any, index: int, source: str) -> dict:
+    """One record in any supported format -> {"id", "problem", "answer", "source"}; ValueError names the record."""
+    if isinstance(item, list):  # ORZ training format: [human turn, assistant turn with ground_truth]
+        problem, answer = _user_turn(item), _gold_from_turns(item)
+        answer = None if answer is None else str(answer).strip()
+    elif isinstance(item, dict):
+        problem, answer = _problem_text(item), _answer_text(item)
+    else:
+        problem = answer = None
+    if not problem or answer is None or answer == "":
+        raise ValueError(f"{source}: record {index} has no recognisable problem and answer (expected ORZ "
+                         f"'prompt'/'final_answer' or 'problem'/'answer' fields): {str(item)[:200]}")
+    item_id = item.get("id", item.get("unique_id")) if isinstance(item, dict) else None
+    name = Path(source).stem if Path(source).suffix in _LOCAL_SUFFIXES else source
+    return {"id": str(item_id) if item_id is not None else f"{name}-{index}", "problem": problem,
+            "answer": answer, "source": name}
+
+
+def load_file(path: str | Path) -> list[dict]:
+    """A JSON list, or JSON Lines (one record per line; also accepted under a .json name, as `datasets` writes)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    records: Any
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: neither a JSON list nor JSON Lines: {e}") from None
+    if isinstance(records, dict):
+        records = [records]
+    return [normalize(item, i, str(path)) for i, item in enumerate(records)]
+
+
+def load_hub(name: str, split: str | None = None) -> list[dict]:
+    """A Hugging Face dataset by name; needs the optional `datasets` package and network access to the hub."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"loading {name!r} from the Hugging Face hub needs the `datasets` package "
+                          "(pip install datasets); or pass a local JSON/JSONL file instead") from None
+    if split is None:
+        splits = datasets.get_dataset_split_names(name)
+        split = next((s for s in ("test", "train") if s in splits), splits[0])
+    rows = datasets.load_dataset(name, split=split)
+    return [normalize(dict(row), i, name) for i, row in enumerate(rows)]
+
+
+def load_problems(source: str) -> list[dict]:
+    """A local file if `source` exists, else a hub dataset "name" or "name:split"."""
+    if Path(source).exists():
+        return load_file(source)
+    if source.endswith(_LOCAL_SUFFIXES):
+        raise FileNotFoundError(f"math data file {source!r} does not exist")
+    name, _, split = source.partition(":")
+    return load_hub(name, split or None)
+
+
+@dataclass
+class MathTask:
+    """Math problems from `train_data` / `eval_data` sources, prompted with `template` ("orz", "boxed", "plain")
+    and scored by `reward` ("math": last \\boxed{}; "orz": the ORZ rule; empty: orz for the orz template)."""
+
+    train_data: list[str] = field(default_factory=list)
+    eval_data: list[str] = field(default_factory=list)
+    template: str = "orz"
+    reward: str = ""
+    name: str = "math"
+    reward_fn: Callable[[dict], Any] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.template not in TEMPLATES:
+            raise ValueError(f"template must be one of {', '.join(TEMPLATES)}, got {self.template!r}")
+        reward = self.reward or ("orz" if self.template == "orz" else "math")
+        if reward not in REWARDS:
+            raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+        self.reward_fn = REWARDS[reward]
+        self._cache: dict[str, list[dict]] = {}
+
+    def _load(self, sources: list[str]) -> list[dict]:
+        out = []
+        for source in sources:
+            if source not in self._cache:
+                self._cache[source] = load_problems(source)
+            out.extend(self._cache[source])
+        return out
+
+    def train_problems(self) -> list[dict]:
+        return self._load(self.train_data)
+
+    def eval_problems(self) -> list[dict]:
+        return self._load(self.eval_data)
+
+    def prompt(self, problem: dict) -> str:
+        return TEMPLATES[self.template].format(problem=problem["problem"])
