@@ -1,0 +1,196 @@
+"""Weight-sync throughput through the trainer's path, as a fraction of a raw broadcast of the same bytes.
+
+Trainer path: `Trainer.broadcast_weights` -> POST /v1/weights/update to a real embedded engine process while
+rank 0 broadcasts the parameters over gloo (packing them into buckets) -> the engine receives them
+(`receive_tensors`) and switches its weights -> the HTTP call returns. Everything the pipeline pays for.
+
+Raw: the same two processes and the same gloo group, one broadcast per bucket of the same sizes, from
+preallocated flat uint8 tensors into preallocated buffers: no HTTP, no packing or unpacking, no switch. The
+engine process serves one extra route for this (`/bench/raw_receive`), added by this file.
+
+Rounds alternate between the two so drift hits both; the medians are compared. `ratio` = trainer bytes/s
+divided by raw bytes/s with 16 MB buckets (recipes/tiny_cpu.yaml's setting); the sweep adds 64 MB (the
+WeightSyncConfig default), 4 MB and per-tensor (bucket_mb = 0). Each mode also reports the engine's own
+receive and switch times, so the gap can be attributed (packing copies, switch copy, HTTP). `--quick` uses a
+~8 MB model, where fixed per-update costs dominate: a smoke run, not a measurement.
+
+    python bench/trainer_weight_sync.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: make `pipelinerl` importable
+    sys.path.insert(0, str(REPO))
+
+from pipelinerl.config import TrainerConfig, WeightSyncConfig  # noqa: E402
+from pipelinerl.engines.client import EngineClient  # noqa: E402
+from pipelinerl.procs import free_port, start_process, stop_process, tail  # noqa: E402
+from pipelinerl.weight_sync import ALIGN, TensorSpec, WeightUpdateGroup, plan_buckets  # noqa: E402
+
+NAME = "trainer_weight_sync"
+TARGET = 0.9
+MAIN_BUCKET_MB = 16.0  # the measured `ratio`; the sweep adds the config default (64), 4 and per-tensor
+
+
+def run(quick: bool = False) -> dict:
+    """Measure both paths between one trainer and one engine process; returns a JSON-able result."""
+    from pipelinerl.models.tiny import build_tiny_model
+    from pipelinerl.trainer import Trainer
+
+    settings = {"hidden_size": 256 if quick else 512, "num_layers": 2 if quick else 6, "bucket_mb": MAIN_BUCKET_MB,
+                "sweep_bucket_mb": [0.0] if quick else [64.0, 4.0, 0.0], "rounds": 3 if quick else 9,
+                "backend": "gloo", "threads_per_process": 1, "statistic": "median over interleaved rounds"}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "model", hidden_size=settings["hidden_size"],
+                                     num_layers=settings["num_layers"], seed=0)
+        port = free_port()
+        log_path = Path(tmp) / "engine.log"
+        env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        proc = start_process([sys.executable, str(Path(__file__).resolve()), "--receiver", str(model_dir),
+                              "--port", str(port)], log_path, threads=1, env=env)
+        client = EngineClient(f"http://127.0.0.1:{port}")
+        threads = torch.get_num_threads()  # the Trainer pins torch threads; give them back afterwards
+        try:
+            try:
+                client.wait_healthy(timeout_s=180, process=proc)
+            except Exception as e:
+                raise RuntimeError(f"{e}\n--- engine log ---\n{tail(log_path)}") from e
+            trainer = Trainer(str(model_dir), TrainerConfig(threads=1),
+                              WeightSyncConfig(master_port=free_port(), timeout_s=60))
+            group = trainer.connect_engines([client.url])
+            try:
+                modes = {_mode_name(mb): _measure(trainer, group, client, mb, settings["rounds"])
+                         for mb in [MAIN_BUCKET_MB, *settings["sweep_bucket_mb"]]}
+            finally:
+                group.destroy()
+                trainer.close()
+        finally:
+            client.close()
+            stop_process(proc)
+            torch.set_num_threads(threads)
+    main = modes[_mode_name(MAIN_BUCKET_MB)]
+    ratio = main["ratio"]
+    summary = (f"{main['trainer_MBps']:.0f} vs raw {main['raw_MBps']:.0f} MB/s, {MAIN_BUCKET_MB:g} MB buckets; "
+               + ", ".join(f"{k} {v['ratio']:.2f}" for k, v in modes.items() if v is not main))
+    return {"name": NAME, "ratio": round(ratio, 4), "target": TARGET, "passed": ratio >= TARGET, "summary": summary,
+            "trainer_MBps": main["trainer_MBps"], "raw_MBps": main["raw_MBps"],
+            "model_mb": round(main["bytes"] / 2**20, 2), "modes": modes, "settings": settings, "quick": quick}
+
+
+def _mode_name(bucket_mb: float) -> str:
+    return f"bucket_{bucket_mb:g}mb" if bucket_mb > 0 else "per_tensor"
+
+
+def _measure(trainer, group: WeightUpdateGroup, client: EngineClient, bucket_mb: float, rounds: int) -> dict:
+    """Alternate trainer-path and raw rounds; medians of each, plus the engine's own receive/switch times."""
+    trainer.sync_cfg.bucket_mb = bucket_mb
+    named = list(trainer.full_parameters())
+    specs = [TensorSpec.of(n, t) for n, t in named]
+    sizes = _broadcast_sizes(specs, trainer.bucket_bytes)
+    raw_buffers = [torch.ones(n, dtype=torch.uint8) for n in sizes]
+    t = {"trainer": [], "raw": [], "raw_receiver": [], "engine_receive": [], "engine_switch": []}
+    trainer.broadcast_weights(group, [client.url])  # warm-up: connections, staging buffers, page faults
+    _raw_round(group, client, raw_buffers)
+    for _ in range(rounds):
+        stats = trainer.broadcast_weights(group, [client.url])
+        t["trainer"].append(stats.seconds)
+        m = client.metrics()
+        t["engine_receive"].append(m["pipelinerl_last_weight_update_receive_seconds"])
+        t["engine_switch"].append(m["pipelinerl_last_weight_update_switch_seconds"])
+        sent_s, received_s = _raw_round(group, client, raw_buffers)
+        t["raw"].append(sent_s)
+        t["raw_receiver"].append(received_s)
+    med = {k: statistics.median(v) for k, v in t.items()}
+    trainer_bps, raw_bps = stats.bytes / med["trainer"], sum(sizes) / med["raw"]
+    best = (stats.bytes / min(t["trainer"])) / (sum(sizes) / min(t["raw"]))
+    return {"bucket_mb": bucket_mb, "broadcasts": len(sizes), "bytes": stats.bytes, "raw_bytes": sum(sizes),
+            "trainer_MBps": round(trainer_bps / 2**20, 1), "raw_MBps": round(raw_bps / 2**20, 1),
+            "ratio": trainer_bps / raw_bps, "ratio_best_of_rounds": round(best, 4),
+            "median_s": {k: round(v, 5) for k, v in med.items()},
+            "rounds_s": {k: [round(x, 5) for x in v] for k, v in t.items()}}
+
+
+def _broadcast_sizes(specs: list[TensorSpec], bucket_bytes: int) -> list[int]:
+    """Bytes of each broadcast the trainer's path makes (the wire format of pipelinerl.weight_sync)."""
+    aligned = [(s.nbytes + ALIGN - 1) // ALIGN * ALIGN for s in specs]
+    buckets = plan_buckets(specs, bucket_bytes)
+    if bucket_bytes <= 0:
+        return [specs[b[0]].nbytes for b in buckets]
+    return [sum(aligned[i] for i in b) for b in buckets]
+
+
+def _raw_round(group: WeightUpdateGroup, client: EngineClient, buffers: list[torch.Tensor]) -> tuple[float, float]:
+    """One raw transfer: (seconds on the sender, seconds on the receiver), both after a barrier."""
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(client.post, "/bench/raw_receive", {"sizes": [b.numel() for b in buffers]})
+        group.barrier()
+        start = time.perf_counter()
+        for b in buffers:
+            group.broadcast(b)
+        sent = time.perf_counter() - start
+        return sent, float(reply.result()["seconds"])
+
+
+# --- the engine process: the real embedded engine server plus one raw-receive route -------------------------
+
+
+def _serve_receiver(model_dir: str, port: int) -> None:
+    import asyncio
+
+    import uvicorn
+
+    from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
+    from pipelinerl.engines.server import create_app
+    from pipelinerl.serve import load_model
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(model_dir, "float32")
+    settings = EngineSettings(max_running_seqs=1, max_batch_tokens=64, max_model_len=64)
+    engine = EmbeddedEngine(model, model_dir, settings, tokenizer)
+    app = create_app(engine, title="weight-sync benchmark receiver")
+    app.router.on_shutdown.append(engine.shutdown)
+
+    @app.post("/bench/raw_receive")
+    async def raw_receive(body: dict) -> dict:
+        group = engine._group  # the engine's own weight-update group, the one the trainer path uses
+        buffers = [torch.empty(n, dtype=torch.uint8) for n in body["sizes"]]
+
+        def receive() -> float:
+            group.barrier()
+            start = time.perf_counter()
+            for b in buffers:
+                group.broadcast(b)
+            return time.perf_counter() - start
+
+        return {"seconds": await asyncio.to_thread(receive)}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--receiver", metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.receiver:
+        _serve_receiver(args.receiver, args.port)
+        return
+    print(json.dumps(run(quick=args.quick), indent=2))
+
+
+if __name__ == "__main__":
+    main()

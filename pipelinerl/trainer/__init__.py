@@ -1,0 +1,32 @@
+"""The trainer role: `Trainer` (implements `pipelinerl.contracts.trainer.TrainerBackend` on accelerate),
+batch packing, the optimizer and schedule, checkpoints and Hugging Face export."""
+
+from pipelinerl.trainer.batch import MicroBatch, StepBatch, build_step, group_advantages, validate_samples
+from pipelinerl.trainer.checkpoint import (
+    checkpoint_dir,
+    export_hf,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from pipelinerl.trainer.optim import build_optimizer, build_scheduler, lr_factor
+from pipelinerl.trainer.trainer import Trainer, clean_name, make_accelerator
+
+__all__ = [
+    "MicroBatch",
+    "StepBatch",
+    "Trainer",
+    "build_optimizer",
+    "build_scheduler",
+    "build_step",
+    "checkpoint_dir",
+    "clean_name",
+    "export_hf",
+    "group_advantages",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "lr_factor",
+    "make_accelerator",
+    "save_checkpoint",
+    "validate_samples",
+]
