@@ -32,6 +32,12 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from pipelinerl import eval as evaluation
+
+    return evaluation.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pipelinerl import serve
 
@@ -49,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Start an inference server implementing the pipelinerl contract.")
     serve.add_arguments(srv)
     srv.set_defaults(func=_serve)
+
+    ev = sub.add_parser("eval", help="evaluate a model: pass@1 over k samples and pass@k",
+                        description="Evaluate a model served by any engine on a task or dataset.")
+    from pipelinerl import eval as evaluation
+
+    evaluation.add_arguments(ev)
+    ev.set_defaults(func=_eval)
 
     plot = sub.add_parser("plot", help="PNG curves of one or more runs",
                           description="Write curves_step.png and curves_time.png from RUN_DIR/metrics.jsonl.")

@@ -22,13 +22,42 @@ from pipelinerl.procs import engine_command, start_process, stop_process, tail
 
 
 def prepare_model(cfg: RunConfig) -> Path:
+    """The model the run starts from. With `model.init: tiny`, build a small model and give it the supervised
+    warm-up; both are cached in `model.path` (a marker records the settings) so a rerun skips them."""
     path = Path(cfg.model.path)
-    if cfg.model.init == "tiny" and not (path / "config.json").exists():
-        from pipelinerl.models.tiny import build_tiny_model
+    if cfg.model.init != "tiny":
+        return path
+    m, t = cfg.model, cfg.task
+    settings = {"seed": cfg.seed, "hidden": m.tiny_hidden_size, "layers": m.tiny_layers,
+                "warmup_steps": m.warmup_steps, "warmup_lr": m.warmup_lr, "warmup_batch_size": m.warmup_batch_size,
+                "task": {"name": t.name, "digits": t.digits, "ops": t.ops, "num_train": t.num_train,
+                         "seed": t.seed, "reverse": t.reverse}}
+    marker = path / "pipelinerl_base_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == settings:
+        print(f"using the cached base model in {path}")
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        print(f"building a tiny model in {path} (seed {cfg.seed})")
-        build_tiny_model(path, hidden_size=cfg.model.tiny_hidden_size, num_layers=cfg.model.tiny_layers,
-                         seed=cfg.seed, max_positions=max(1024, cfg.engine.max_model_len))
+    from pipelinerl.models.tiny import build_tiny_model
+    from pipelinerl.models.warmup import supervised_warmup
+    from pipelinerl.tasks import task_from_config
+
+    print(f"building a tiny model in {path} (seed {cfg.seed})")
+    torch.set_num_threads(max(1, cfg.engine.threads + cfg.trainer.threads))
+    build_tiny_model(path, hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers, seed=cfg.seed,
+                     max_positions=max(1024, cfg.engine.max_model_len))
+    if m.warmup_steps > 0:
+        task = task_from_config(t)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        target = getattr(task, "target", None)
+        if target is None:
+            raise ConfigError(f"model.warmup_steps: task {t.name!r} has no supervised targets; set it to 0")
+        examples = [(task.prompt(p), target(p)) for p in task.train_problems()]
+        supervised_warmup(model, tokenizer, examples, m.warmup_steps, m.warmup_batch_size, m.warmup_lr, cfg.seed)
+        model.save_pretrained(path)
+    marker.write_text(json.dumps(settings))
     return path
 
 
@@ -113,6 +142,9 @@ def run_pipeline(cfg: RunConfig, engines: Engines, run_dir: Path) -> None:
                     raise ChildFailed(f"{name} exited with code {code}\n--- last lines of {log} ---\n{tail(log)}")
             rows, offset = _new_rows(metrics_path, offset)
             for row in rows:
+                if "eval_accuracy" in row:
+                    bar.write(f"step {row['step']}: held-out pass@1 {row['eval_accuracy']:.3f}")
+                    continue
                 bar.n = row["step"]
                 bar.set_postfix({"samples/s": f"{row['samples_per_s']:.1f}", "tok/s": f"{row['tokens_per_s']:.0f}",
                                  "reward": f"{row['reward_mean']:.3f}", "lag": f"{row.get('lag_mean', 0):.2f}"},
@@ -150,5 +182,24 @@ def main(recipe: str, overrides: list[str]) -> int:
         return 1
     finally:
         engines.stop()
-    print(f"done: metrics in {run_dir / 'metrics.jsonl'}, final model in {run_dir / 'final_model'}")
+    report(run_dir)
     return 0
+
+
+def report(run_dir: Path) -> None:
+    """Held-out accuracy before and after, the curves as PNG, where everything is."""
+    from pipelinerl.plot import plot_runs, read_metrics
+
+    rows = read_metrics(run_dir)
+    evals = [r for r in rows if "eval_accuracy" in r]
+    if len(evals) >= 2:
+        first, last = evals[0], evals[-1]
+        print(f"held-out pass@1: {first['eval_accuracy']:.3f} at step {first['step']} -> "
+              f"{last['eval_accuracy']:.3f} at step {last['step']} "
+              f"({100 * (last['eval_accuracy'] - first['eval_accuracy']):+.1f} points)")
+    try:
+        pngs = plot_runs([run_dir])
+        print(f"curves: {', '.join(str(p) for p in pngs)}")
+    except ValueError as e:
+        print(f"no curves: {e}")
+    print(f"metrics: {run_dir / 'metrics.jsonl'}; final model: {run_dir / 'final_model'}; logs: {run_dir / 'logs'}")

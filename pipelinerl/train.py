@@ -84,8 +84,11 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     feed = SampleFeed(run_dir, position.get("consumed_samples", 0))
     stale_dropped = position.get("stale_dropped", 0)
     started = time.monotonic() - position.get("elapsed_s", 0.0)
-    last = time.monotonic()
+    evaluator = HeldOutEval(cfg, engine_urls)
     with open(run_dir / "metrics.jsonl", "a") as metrics:
+        if evaluator.enabled and trainer.version == 0:
+            _write(metrics, evaluator.run(0, time.monotonic() - started))
+        last = time.monotonic()
         while trainer.version < cfg.trainer.max_steps:
             batch = feed.take(cfg.trainer.samples_per_step)
             fresh = [s for s in batch if s.lag(trainer.version) <= cfg.actor.max_lag]
@@ -101,19 +104,67 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
                    "wait_for_samples_s": waited, "broadcast_s": sync.seconds, "broadcast_bytes": sync.bytes,
                    "stale_dropped": stale_dropped, "min_version_in_batch": min(s.oldest_version for s in batch),
                    **batch_metrics(batch), **stats}
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-            last = now
+            _write(metrics, row)
+            if evaluator.enabled and (trainer.version % cfg.trainer.eval_every == 0
+                                      or trainer.version == cfg.trainer.max_steps):
+                _write(metrics, evaluator.run(trainer.version, time.monotonic() - started))
+            last = time.monotonic()
             if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0:
                 save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped,
                                                                                             started))
     save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped, started))
     export_hf(trainer, run_dir / "final_model")
+    evaluator.close()
     control.write({"kind": "done", "version": trainer.version})
     control.close()
     trainer.close()
     if group is not None:
         group.destroy()
+
+
+class HeldOutEval:
+    """pass@1 on the task's held-out problems through the engines, which hold the trainer's latest weights."""
+
+    def __init__(self, cfg: RunConfig, engine_urls: list[str]):
+        self.cfg, self.urls = cfg, engine_urls
+        self.enabled = cfg.trainer.eval_every > 0
+        if self.enabled:
+            from transformers import AutoTokenizer
+
+            from pipelinerl.tasks import task_from_config
+
+            self.task = task_from_config(cfg.task)
+            self.problems = self.task.eval_problems()
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+            from pipelinerl.rewards import RewardPool
+
+            self.pool = RewardPool(workers=1, timeout_s=cfg.reward.timeout_s).start()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.pool.close()
+
+    def run(self, step: int, elapsed: float) -> dict:
+        import asyncio
+
+        from pipelinerl.eval import evaluate_async, write_results
+
+        t = self.cfg.trainer
+        t0 = time.monotonic()
+        result = asyncio.run(evaluate_async(
+            self.task, self.problems, self.urls, self.tokenizer, self.pool, k=t.eval_k,
+            temperature=self.cfg.sampling.temperature, max_new_tokens=self.cfg.sampling.max_new_tokens,
+            greedy=t.eval_greedy))
+        write_results(result, Path(self.cfg.run_dir) / "eval", f"step_{step:06d}")
+        s = result["summary"]
+        log.info("held-out pass@1 at step %d: %.3f", step, s["pass@1"])
+        return {"step": step, "time": elapsed, "eval_accuracy": s["pass@1"], "eval_seconds": time.monotonic() - t0,
+                **{f"eval_{k}": v for k, v in s.items() if k.startswith("pass@")}}
+
+
+def _write(metrics, row: dict) -> None:
+    metrics.write(json.dumps(row) + "\n")
+    metrics.flush()
 
 
 def _position(feed: SampleFeed, stale_dropped: int, started: float) -> dict:

@@ -44,7 +44,7 @@ def task_from_config(cfg: TaskConfig) -> Task:
     """The task a run's `task:` config section describes."""
     if cfg.name == "arithmetic":
         return get_task("arithmetic", digits=cfg.digits, ops=cfg.ops, num_train=cfg.num_train,
-                        num_eval=cfg.num_eval, seed=cfg.seed)
+                        num_eval=cfg.num_eval, seed=cfg.seed, reverse=cfg.reverse)
     if cfg.name == "math":
         return get_task("math", train_data=list(cfg.train_data), eval_data=list(cfg.eval_data),
                         template=cfg.template, reward=cfg.reward)

@@ -34,16 +34,35 @@ def compute(a: int, op: str, b: int) -> int:
     raise ValueError(f"unknown operator {op!r}; expected one of {OPS}")
 
 
-def parse_answer(completion: str) -> int | None:
-    """The integer at the very start of the completion ("357<eos>..." -> 357), or None if it does not start with one."""
+def parse_answer(completion: str, reverse: bool = False) -> int | None:
+    """The integer at the very start of the completion ("357<eos>..." -> 357), or None if it does not start with one.
+    With `reverse`, its digits are written least significant first ("753" -> 357, "-21" -> -12)."""
     m = _ANSWER.match(completion)
-    return int(m.group()) if m else None
+    if not m:
+        return None
+    text = m.group()
+    if reverse:
+        sign, digits = ("-", text[1:]) if text.startswith("-") else ("", text)
+        text = sign + digits[::-1]
+    return int(text)
+
+
+def answer_text(problem: dict) -> str:
+    """The answer as the model should write it: reversed digits (after the sign) when the problem says so.
+
+    Writing the least significant digit first lets a small left-to-right model carry as it goes, which makes
+    multi-digit addition learnable in a minute of CPU time instead of an hour."""
+    answer = problem["answer"]
+    if not problem.get("reverse"):
+        return answer
+    sign, digits = ("-", answer[1:]) if answer.startswith("-") else ("", answer)
+    return sign + digits[::-1]
 
 
 def arithmetic_reward(problem: dict, completion: str, finish_reason: str = "stop") -> RewardResult:
     """1 when the completion starts with exactly the right integer; finish_reason does not gate it."""
     expected = int(problem["answer"])
-    got = parse_answer(completion)
+    got = parse_answer(completion, bool(problem.get("reverse")))
     if got is None:
         return RewardResult(0.0, {"correct": 0.0}, f"no integer answer at the start of {completion[:20]!r}")
     if got != expected:
@@ -62,7 +81,7 @@ def prompt_text(problem: dict) -> str:
 
 def sft_target(problem: dict, eos: str = "") -> str:
     """Supervised target for an SFT warm-up: the answer digits, then `eos` (e.g. the tokenizer's eos_token)."""
-    return f"{problem['answer']}{eos}"
+    return f"{answer_text(problem)}{eos}"
 
 
 def _operand_digits(op: str, digits: int, mul_digits: int) -> int:
@@ -105,9 +124,10 @@ def generate(count: int, rng: random.Random, digits: int, ops: str, mul_digits: 
     return out
 
 
-def _problem(key: Key, split: str, index: int) -> dict:
+def _problem(key: Key, split: str, index: int, reverse: bool) -> dict:
     a, op, b = key
-    return {"id": f"arith-{split}-{index}", "a": a, "op": op, "b": b, "answer": str(compute(a, op, b))}
+    return {"id": f"arith-{split}-{index}", "a": a, "op": op, "b": b, "answer": str(compute(a, op, b)),
+            "reverse": reverse}
 
 
 @dataclass
@@ -120,6 +140,7 @@ class ArithmeticTask:
     num_eval: int = 200
     seed: int = 0
     mul_digits: int = 2
+    reverse: bool = False  # answers written least significant digit first (see answer_text)
     name: str = "arithmetic"
     reward_fn = staticmethod(score_arithmetic)
 
@@ -139,10 +160,10 @@ class ArithmeticTask:
                         exclude=frozenset(self._eval_keys))
 
     def train_problems(self) -> list[dict]:
-        return [_problem(k, "train", i) for i, k in enumerate(self._train_keys)]
+        return [_problem(k, "train", i, self.reverse) for i, k in enumerate(self._train_keys)]
 
     def eval_problems(self) -> list[dict]:
-        return [_problem(k, "eval", i) for i, k in enumerate(self._eval_keys)]
+        return [_problem(k, "eval", i, self.reverse) for i, k in enumerate(self._eval_keys)]
 
     def prompt(self, problem: dict) -> str:
         return prompt_text(problem)

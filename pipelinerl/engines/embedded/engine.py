@@ -3,9 +3,9 @@
 Data flow: HTTP handlers (asyncio) validate a request and queue it; the engine thread admits queued requests
 between decode steps (prefill once per prompt, its KV cache copied to the n samples), decodes all running
 sequences together, and resolves each request's future when its last sample ends. A weight update is received
-into staging buffers on a worker thread while decoding goes on; the engine thread copies the staged tensors
-into the model at the next step boundary, so running sequences continue from their KV cache under the new
-weights and every later token carries the new version.
+into a spare copy of the weights' storage on a worker thread while decoding goes on; the engine thread swaps
+spare and live storage at the next step boundary (no copy: see `_SpareWeights`), so running sequences continue
+from their KV cache under the new weights and every later token carries the new version.
 """
 
 from __future__ import annotations
@@ -92,9 +92,79 @@ class _Seq:
 @dataclass
 class _PendingSwitch:
     version: int
-    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # (model parameter, staged tensor)
+    names: list[str]  # the parameters received into the spare storage
     done: threading.Event = field(default_factory=threading.Event)
     switch_s: float = 0.0
+
+
+class _Storage:
+    """One tensor whose storage a switch replaces: a parameter, or a buffer several parameters are row slices
+    of (the runner's fused q/k/v and gate/up). `members`: (parameter, first row, end row), rows None for the
+    tensor itself. The spare is a clone made at the first update, so rows no member covers stay right."""
+
+    def __init__(self, live: torch.Tensor, members: list[tuple[torch.Tensor, int | None, int | None]]):
+        self.live, self.members = live, members
+        self.spare: torch.Tensor | None = None
+
+    def spare_view(self, member: int) -> torch.Tensor:
+        if self.spare is None:
+            self.spare = self.live.detach().clone()
+        _, start, end = self.members[member]
+        return self.spare if start is None else self.spare[start:end]
+
+    def swap(self) -> None:
+        """Make the spare live and the live storage the next spare: assignments, no copy."""
+        old = self.live.data
+        self.live.data = self.spare
+        self.spare = old
+        for param, start, end in self.members:
+            if start is not None:
+                param.data = self.live.data[start:end]
+
+    def copy_member(self, member: int) -> None:
+        with torch.no_grad():
+            self.members[member][0].copy_(self.spare_view(member))
+
+
+class _SpareWeights:
+    """Double-buffered weights for in-flight updates. An update is received into a spare copy of the weights'
+    storage while decoding goes on; the switch then swaps spare and live storage tensor by tensor, so the
+    decode pause is microseconds per tensor whatever the model size, instead of a copy of every weight (any
+    unpacking copy of a bucketed update runs on the receiving thread, overlapped with decoding). A shared
+    buffer that an update covers only in part is copied member by member instead.
+
+    Reusing the spare is safe: the next update cannot start receiving before the switch that made the
+    previous one live is done (the update lock is held until then)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], fused_groups: list) -> None:
+        where: dict[int, tuple[_Storage, int]] = {}
+        for buffer, members in fused_groups:
+            storage = _Storage(buffer, list(members))
+            for i, (param, _, _) in enumerate(members):
+                where[id(param)] = (storage, i)
+        self._where: dict[str, tuple[_Storage, int]] = {}
+        for name, param in params.items():  # tied parameters share one entry
+            if id(param) not in where:
+                where[id(param)] = (_Storage(param, [(param, None, None)]), 0)
+            self._where[name] = where[id(param)]
+
+    def staging(self, name: str) -> torch.Tensor:
+        """Where the update's tensor for parameter `name` is received."""
+        storage, member = self._where[name]
+        return storage.spare_view(member)
+
+    def switch(self, names: list[str]) -> None:
+        """Make the received tensors of `names` live. Call between decode steps only."""
+        covered: dict[int, tuple[_Storage, set[int]]] = {}
+        for name in names:
+            storage, member = self._where[name]
+            covered.setdefault(id(storage), (storage, set()))[1].add(member)
+        for storage, members in covered.values():
+            if len(members) == len(storage.members):
+                storage.swap()
+            else:
+                for member in members:
+                    storage.copy_member(member)
 
 
 class Metrics:
@@ -130,7 +200,7 @@ class EmbeddedEngine:
         self.version = settings.initial_version
         self.metrics = Metrics()
         self._group: WeightUpdateGroup | None = None
-        self._staging: dict[str, torch.Tensor] = {}
+        self._spare = _SpareWeights(self.params, getattr(self.runner, "fused_groups", []))
         self._update_lock = asyncio.Lock()
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
@@ -232,13 +302,12 @@ class EmbeddedEngine:
                 await asyncio.to_thread(receive_tensors, group, specs, req.bucket_bytes)
                 self.metrics.refused_updates += 1
                 raise ContractError(400, problem[1], problem[0], "mismatched_update")
-            staging = [self._staging_buffer(s) for s in specs]
             try:
-                await asyncio.to_thread(receive_tensors, group, specs, req.bucket_bytes, staging)
+                await asyncio.to_thread(self._receive, group, specs, req.bucket_bytes)
             except WeightSyncError as e:
                 raise ContractError(504, str(e), type="weight_sync_error") from None
             receive_s = time.perf_counter() - t0
-            pending = _PendingSwitch(req.version, [(self.params[s.name], t) for s, t in zip(specs, staging)])
+            pending = _PendingSwitch(req.version, [s.name for s in specs])
             with self._cv:
                 self._pending = pending
                 self._cv.notify()
@@ -355,11 +424,9 @@ class EmbeddedEngine:
                                           f"the update says {p.dtype}")
         return None
 
-    def _staging_buffer(self, spec: TensorSpec) -> torch.Tensor:
-        buf = self._staging.get(spec.name)
-        if buf is None or buf.shape != spec.shape or buf.dtype != spec.dtype:
-            buf = self._staging[spec.name] = torch.empty(spec.shape, dtype=spec.dtype)
-        return buf
+    def _receive(self, group: WeightUpdateGroup, specs: list[TensorSpec], bucket_bytes: int) -> None:
+        """Receive a checked update into the spare weights (on a worker thread, while decoding goes on)."""
+        receive_tensors(group, specs, bucket_bytes, [self._spare.staging(s.name) for s in specs])
 
     # --- the engine thread ---------------------------------------------------------------------------------
 
@@ -385,9 +452,7 @@ class EmbeddedEngine:
         if pending is None:
             return
         t0 = time.perf_counter()
-        with torch.no_grad():
-            for param, staged in pending.pairs:
-                param.copy_(staged)
+        self._spare.switch(pending.names)
         self.version = pending.version
         pending.switch_s = time.perf_counter() - t0
         self.metrics.update_switch_seconds += pending.switch_s
