@@ -25,7 +25,9 @@ from pathlib import Path
 from pipelinerl.config import RunConfig, load_config
 from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
 from pipelinerl.engines.client import AsyncEngineClient
+from pipelinerl.procs import die_with_parent
 from pipelinerl.rewards import RewardPool, RewardResult
+from pipelinerl.rewards.pool import resolve
 from pipelinerl.rewards.shaping import shape_reward
 from pipelinerl.samples import Sample
 from pipelinerl.streams import StreamReader, StreamWriter
@@ -45,6 +47,7 @@ class Actor:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.task = task_from_config(cfg.task)
+        self.reward_fn = resolve(cfg.task.reward_fn) if cfg.task.reward_fn else self.task.reward_fn
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.engines = [AsyncEngineClient(u) for u in engine_urls]
         self.samples = StreamWriter(streams_dir(self.run_dir) / "samples", "actor")
@@ -153,7 +156,7 @@ class Actor:
         t_gen = time.monotonic() - t0
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in resp.completions]
         items = [reward_item(problem, text, c.finish_reason) for text, c in zip(texts, resp.completions)]
-        results = await self.pool.score_async(self.task.reward_fn, items)
+        results = await self.pool.score_async(self.reward_fn, items)
         t_reward = time.monotonic() - t0 - t_gen
         group_id = f"{problem.get('id', 'p')}-{self.counts['groups_started']}"
         return [self._sample(group_id, prompt_ids, c, r, {"generate_s": t_gen, "reward_s": t_reward})
@@ -183,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="the run's resolved config.yaml")
     parser.add_argument("--engines", required=True, help="comma-separated engine URLs")
     args = parser.parse_args(argv)
+    die_with_parent()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.basicConfig(level="INFO", format="%(asctime)s actor %(levelname)s %(message)s")
     cfg = load_config(args.config)

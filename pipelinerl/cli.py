@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pipelinerl.procs import die_with_parent
+
+    die_with_parent()
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -205,6 +205,7 @@ class TaskConfig:
     eval_data: list[str] = field(default_factory=list)
     template: str = "orz"  # orz | boxed | plain
     reward: str = ""  # math | orz; empty = orz for the orz template, math otherwise
+    reward_fn: str = ""  # "module:function" replacing the task's verifier (importable by the reward workers)
 
     def __post_init__(self) -> None:
         _check_choice(self.name, TASKS, "task.name")
@@ -214,6 +215,8 @@ class TaskConfig:
         _check(self.num_train >= 1, "task.num_train", "must be at least 1")
         _check(self.num_eval >= 0, "task.num_eval", "must be >= 0")
         _check_choice(self.template, MATH_TEMPLATES, "task.template")
+        _check(self.reward_fn == "" or ":" in self.reward_fn, "task.reward_fn",
+               f"must look like module:function, got {self.reward_fn!r}")
         _check(self.reward in ("", "math", "orz"), "task.reward", f"must be math, orz or empty, got {self.reward!r}")
         _check(self.name != "math" or len(self.train_data) > 0, "task.train_data",
                "the math task needs at least one training file or dataset name")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -129,6 +130,8 @@ def run_pipeline(cfg: RunConfig, engines: Engines, run_dir: Path) -> None:
     }
     children = {name: start_process(cmd, run_dir / "logs" / f"{name}.log", threads=threads)
                 for name, (cmd, threads) in roles.items()}
+    pids = {name: p.pid for name, p in children.items()} | {f"engine{i}": p.pid for i, p in enumerate(engines.procs)}
+    (run_dir / "pids.json").write_text(json.dumps(pids))
     metrics_path = run_dir / "metrics.jsonl"
     _, offset = _new_rows(metrics_path, 0)  # a resumed run: show only new steps
     bar = tqdm(total=cfg.trainer.max_steps, desc="steps", unit="step", mininterval=1.0, dynamic_ncols=True)
@@ -152,12 +155,18 @@ def run_pipeline(cfg: RunConfig, engines: Engines, run_dir: Path) -> None:
                 bar.refresh()
             if children["trainer"].poll() == 0:
                 children["actor"].wait(timeout=60)  # it stops on the trainer's "done" message
+                for i, client in enumerate(engines.clients):  # what the engines saw, for the record
+                    (run_dir / f"engine{i}_metrics.json").write_text(json.dumps(client.metrics(), indent=1))
                 return
             time.sleep(0.5)
     finally:
         bar.close()
         for proc in children.values():
             stop_process(proc)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(recipe: str, overrides: list[str]) -> int:
@@ -167,6 +176,8 @@ def main(recipe: str, overrides: list[str]) -> int:
         print(f"pipelinerl: config error: {e}", file=sys.stderr)
         return 2
     run_dir = Path(cfg.run_dir)
+    # `kill` of the launcher stops the run like Ctrl-C: every child is stopped on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
     save_resolved_config(cfg, run_dir)
     model_path = prepare_model(cfg)
     engines = Engines(cfg, model_path, run_dir)

@@ -61,6 +61,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> list
     written = []
     for x_key, x_label, name in (("step", "step", "curves_step.png"), ("time", "wall-clock seconds",
                                                                        "curves_time.png")):
+        if not any(_series(rows, ["step"], x_key)[0] for rows in runs.values()):
+            continue
         cols = min(3, len(panels))
         rows_n = math.ceil(len(panels) / cols)
         fig, axes = plt.subplots(rows_n, cols, figsize=(5 * cols, 3.4 * rows_n), squeeze=False)
@@ -82,3 +84,32 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> list
         plt.close(fig)
         written.append(path)
     return written
+
+
+def plot_comparison(run_dirs: dict[str, str | Path], out_png: str | Path) -> Path:
+    """One PNG comparing runs: held-out accuracy and training reward against wall-clock time and samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {label: read_metrics(d) for label, d in run_dirs.items()}
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for col, (x_key, x_label) in enumerate((("time", "wall-clock seconds"), ("samples_total", "samples trained on"))):
+        for row, (title, keys) in enumerate((("held-out accuracy (pass@1)", ["eval_accuracy"]),
+                                             ("training reward", ["reward_mean"]))):
+            ax = axes[row][col]
+            for label, rows in runs.items():
+                xs, ys = _series(rows, keys, x_key)
+                if xs:
+                    ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, label=label)
+            ax.set_title(f"{title} vs {x_label}")
+            ax.set_xlabel(x_label)
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -23,10 +23,24 @@ def engine_command(model: str, port: int, host: str = "127.0.0.1", engine: str =
             "--host", host, "--port", str(port), *extra]
 
 
+def die_with_parent() -> None:
+    """Called first thing by every role started through `start_process` (it sets PIPELINERL_DIE_WITH_PARENT):
+    on Linux, ask the kernel to SIGTERM this process when its parent dies, so a launcher that is killed outright
+    leaves no orphans behind."""
+    if os.environ.get("PIPELINERL_DIE_WITH_PARENT") != "1" or sys.platform != "linux":
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def start_process(cmd: Sequence[str], log_path: str | Path, threads: int | None = None,
                   env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a child in its own process group with output to `log_path`; thread counts pinned when given."""
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, **(env or {}), "PIPELINERL_DIE_WITH_PARENT": "1"}
     if threads:
         full_env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)

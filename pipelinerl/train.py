@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pipelinerl.actor import streams_dir
 from pipelinerl.config import RunConfig, load_config
+from pipelinerl.procs import die_with_parent
 from pipelinerl.samples import Sample
 from pipelinerl.streams import StreamReader, StreamWriter
 from pipelinerl.trainer import Trainer
@@ -87,7 +88,7 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     evaluator = HeldOutEval(cfg, engine_urls)
     with open(run_dir / "metrics.jsonl", "a") as metrics:
         if evaluator.enabled and trainer.version == 0:
-            _write(metrics, evaluator.run(0, time.monotonic() - started))
+            _write(metrics, evaluator.run(0, time.monotonic() - started, feed.consumed))
         last = time.monotonic()
         while trainer.version < cfg.trainer.max_steps:
             batch = feed.take(cfg.trainer.samples_per_step)
@@ -100,14 +101,16 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
             now = time.monotonic()
             tokens = sum(len(s.output_token_ids) for s in batch)
             row = {"step": trainer.version, "time": now - started, "samples": len(batch),
+                   "samples_total": feed.consumed,
                    "samples_per_s": len(batch) / (now - last), "tokens_per_s": tokens / (now - last),
                    "wait_for_samples_s": waited, "broadcast_s": sync.seconds, "broadcast_bytes": sync.bytes,
-                   "stale_dropped": stale_dropped, "min_version_in_batch": min(s.oldest_version for s in batch),
+                   "stale_dropped": stale_dropped, "stream_corrupt": feed.reader.corrupt,
+                   "min_version_in_batch": min(s.oldest_version for s in batch),
                    **batch_metrics(batch), **stats}
             _write(metrics, row)
             if evaluator.enabled and (trainer.version % cfg.trainer.eval_every == 0
                                       or trainer.version == cfg.trainer.max_steps):
-                _write(metrics, evaluator.run(trainer.version, time.monotonic() - started))
+                _write(metrics, evaluator.run(trainer.version, time.monotonic() - started, feed.consumed))
             last = time.monotonic()
             if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0:
                 save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped,
@@ -144,7 +147,7 @@ class HeldOutEval:
         if self.enabled:
             self.pool.close()
 
-    def run(self, step: int, elapsed: float) -> dict:
+    def run(self, step: int, elapsed: float, samples_total: int) -> dict:
         import asyncio
 
         from pipelinerl.eval import evaluate_async, write_results
@@ -158,7 +161,8 @@ class HeldOutEval:
         write_results(result, Path(self.cfg.run_dir) / "eval", f"step_{step:06d}")
         s = result["summary"]
         log.info("held-out pass@1 at step %d: %.3f", step, s["pass@1"])
-        return {"step": step, "time": elapsed, "eval_accuracy": s["pass@1"], "eval_seconds": time.monotonic() - t0,
+        return {"step": step, "time": elapsed, "samples_total": samples_total, "eval_accuracy": s["pass@1"],
+                "eval_seconds": time.monotonic() - t0,
                 **{f"eval_{k}": v for k, v in s.items() if k.startswith("pass@")}}
 
 
@@ -177,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="the run's resolved config.yaml")
     parser.add_argument("--engines", required=True, help="comma-separated engine URLs")
     args = parser.parse_args(argv)
+    die_with_parent()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.basicConfig(level="INFO", format="%(asctime)s trainer %(levelname)s %(message)s")
     train(load_config(args.config), args.engines.split(","))

@@ -1,0 +1,117 @@
+"""Pipelined RL against synchronous RL (`actor.max_lag: 0`) on the tiny recipe, same cores, same split.
+
+Two benchmarks share this module:
+- `pipeline_throughput` (issue: the pipeline): samples/s of the pipelined run against the synchronous one, over
+  the training period of each run. The bound for the split is (T_gen + T_train) / max(T_gen, T_train), with
+  T_gen the synchronous run's wait for a batch and T_train its optimizer step plus weight broadcast, both
+  measured. Target: the ratio reaches 90% of the bound.
+- `tiny_sync_vs_pipelined` (issue: the tiny recipe): both runs of the full recipe with held-out evaluation;
+  one PNG of both curves against wall-clock time and against samples; the pipelined run must reach the
+  synchronous run's final held-out accuracy in less wall-clock time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import RESULTS_DIR, machine, median, verdict
+
+NAME = "pipeline_throughput"
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
+
+
+def _free_port() -> int:
+    from pipelinerl.procs import free_port
+
+    return free_port()
+
+
+def launch(run_dir: Path, overrides: list[str], timeout_s: int = 1800) -> list[dict]:
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(RECIPE), f"run_dir={run_dir}",
+           f"engine.base_port={_free_port()}", f"weight_sync.master_port={_free_port()}", *overrides]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"run in {run_dir} failed:\n{r.stderr[-3000:]}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def throughput(rows: list[dict], skip: int) -> float:
+    """Samples/s between the end of step `skip` and the last step (start-up and first batches excluded)."""
+    train = [r for r in rows if "samples_per_s" in r]
+    first, last = train[skip], train[-1]
+    return (last["samples_total"] - first["samples_total"]) / (last["time"] - first["time"])
+
+
+def run(quick: bool = False) -> dict:
+    steps, skip = (40, 5) if quick else (150, 10)
+    common = [f"trainer.max_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0"]
+    with tempfile.TemporaryDirectory(prefix="pipelinerl-bench-") as tmp:
+        base = Path(tmp)
+        # the same cached base model for both runs, so warm-up time is not part of either
+        model = [f"model.path={base / 'base_model'}"]
+        pipelined = launch(base / "pipelined", common + model + ["actor.max_lag=2"])
+        sync = launch(base / "sync", common + model + ["actor.max_lag=0"])
+    sync_rows = [r for r in sync if "samples_per_s" in r][skip:]
+    t_gen = median([r["wait_for_samples_s"] for r in sync_rows])
+    t_train = median([r["step_s"] + r["broadcast_s"] for r in sync_rows])
+    bound = (t_gen + t_train) / max(t_gen, t_train)
+    sps_pipe, sps_sync = throughput(pipelined, skip), throughput(sync, skip)
+    ratio = sps_pipe / sps_sync
+    return {
+        "ratio": ratio,
+        "target": 0.9 * bound,
+        **verdict(ratio, 0.9 * bound),
+        "summary": f"{sps_pipe:.0f} vs {sps_sync:.0f} samples/s; bound {bound:.2f} "
+                   f"(T_gen {1000 * t_gen:.0f} ms, T_train {1000 * t_train:.0f} ms)",
+        "samples_per_s": {"pipelined": sps_pipe, "sync": sps_sync},
+        "bound": bound, "t_gen_s": t_gen, "t_train_s": t_train,
+        "fraction_of_bound": ratio / bound,
+        "settings": {"recipe": str(RECIPE.relative_to(ROOT)), "steps": steps, "skipped_steps": skip,
+                     "pipelined": "actor.max_lag=2", "sync": "actor.max_lag=0"},
+        "machine": machine(),
+    }
+
+
+def compare(out_dir: Path = RESULTS_DIR, extra: list[str] = ()) -> dict:
+    """The full recipe both ways, with held-out evaluation; writes tiny_sync_vs_pipelined.png."""
+    from pipelinerl.plot import plot_comparison
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs_root = ROOT / "runs" / "compare"
+    model = [f"model.path={runs_root / 'base_model'}", *extra]
+    rows = {"pipelined (max_lag 2)": launch(runs_root / "pipelined", model + ["actor.max_lag=2"]),
+            "synchronous (max_lag 0)": launch(runs_root / "sync", model + ["actor.max_lag=0"])}
+    png = plot_comparison({"pipelined (max_lag 2)": runs_root / "pipelined",
+                           "synchronous (max_lag 0)": runs_root / "sync"}, out_dir / "tiny_sync_vs_pipelined.png")
+    evals = {k: [r for r in v if "eval_accuracy" in r] for k, v in rows.items()}
+    target = evals["synchronous (max_lag 0)"][-1]["eval_accuracy"]
+
+    def time_to(label: str) -> float | None:
+        hit = [r["time"] for r in evals[label] if r["eval_accuracy"] >= target - 1e-9]
+        return hit[0] if hit else None
+
+    result = {
+        "final_accuracy": {k: v[-1]["eval_accuracy"] for k, v in evals.items()},
+        "initial_accuracy": {k: v[0]["eval_accuracy"] for k, v in evals.items()},
+        "target_accuracy": target,
+        "seconds_to_target": {k: time_to(k) for k in evals},
+        "total_seconds": {k: v[-1]["time"] for k, v in rows.items()},
+        "png": str(png),
+        "machine": machine(),
+    }
+    (out_dir / "tiny_sync_vs_pipelined.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    if "--compare" in sys.argv:
+        print(json.dumps(compare(), indent=2))
+    else:
+        print(json.dumps(run(quick="--quick" in sys.argv), indent=2))

@@ -1,0 +1,100 @@
+"""End to end: `pipelinerl run` starts a real engine, actor, reward pool and trainer as separate processes on a
+tiny model. These are the slowest tests (each run starts several Python processes that import torch)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelinerl.procs import free_port
+from pipelinerl.streams import encode_record
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = str(Path(__file__).resolve().parent)
+
+pytestmark = pytest.mark.slow
+
+
+def run_args(run_dir, *overrides):
+    # A random tiny model writing 16 tokens per answer: answers are wrong, but long enough for weight updates to
+    # land inside them; dynamic sampling is off so all-zero groups still reach the trainer.
+    return [sys.executable, "-m", "pipelinerl.cli", "run", str(ROOT / "recipes" / "tiny_cpu.yaml"),
+            f"run_dir={run_dir}", "model.warmup_steps=0", "model.tiny_hidden_size=64", "sampling.max_new_tokens=16",
+            "sampling.group_size=4", "trainer.samples_per_step=16", "actor.dynamic_sampling=false",
+            "actor.concurrency=16", "trainer.eval_every=0", f"engine.base_port={free_port()}",
+            f"weight_sync.master_port={free_port()}", *overrides]
+
+
+def launch(run_dir, *overrides, timeout=300):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), TESTS, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(run_args(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_pipelined_run_updates_engines_in_flight(tmp_path):
+    run_dir = tmp_path / "run"
+    # a stream file with a corrupt record, as a crashed writer would leave it
+    (run_dir / "streams" / "samples").mkdir(parents=True)
+    (run_dir / "streams" / "samples" / "old-writer.jsonl").write_bytes(b"0badc0de {\"torn\n")
+    r = launch(run_dir, "trainer.max_steps=6", "actor.max_lag=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    assert max(row["lag_max"] for row in rows) >= 1, "pipelined: some samples are from older weights"
+    assert all(row["lag_max"] <= 2 for row in rows)
+    assert any(row["mixed_version_frac"] > 0 for row in rows), "some samples carry tokens of two versions"
+    assert rows[-1]["stream_corrupt"] == 1
+    engine = json.loads((run_dir / "engine0_metrics.json").read_text())
+    assert engine["pipelinerl_weight_version"] == 6
+    assert engine["pipelinerl_weight_updates_while_running_total"] >= 1
+    assert (run_dir / "final_model" / "config.json").exists() and (run_dir / "config.yaml").exists()
+    # a rerun in the same directory resumes from the last checkpoint and continues the version sequence
+    r = launch(run_dir, "trainer.max_steps=8", "actor.max_lag=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in metrics(run_dir)] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+
+
+def test_synchronous_mode_never_trains_on_stale_samples(tmp_path):
+    r = launch(tmp_path / "run", "trainer.max_steps=4", "actor.max_lag=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["lag_max"] == 0 and row["stale_dropped"] == 0 for row in rows)
+    assert all(row["mixed_version_frac"] == 0 for row in rows)
+
+
+def test_hanging_and_crashing_reward_checks_are_counted_and_the_run_goes_on(tmp_path):
+    r = launch(tmp_path / "run", "trainer.max_steps=3", "task.reward_fn=flaky_reward:score", "reward.timeout_s=1",
+               "reward.workers=2", timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    actor = [json.loads(line) for line in (tmp_path / "run" / "actor_metrics.jsonl").read_text().splitlines()]
+    assert actor[-1]["reward_timeouts"] >= 1 and actor[-1]["reward_crashes"] >= 1
+    assert actor[-1]["reward_workers_replaced"] >= 2
+
+
+def test_a_dead_child_stops_the_run_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(run_args(run_dir, "trainer.max_steps=1000"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 180
+    while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.5)
+    pids = json.loads((run_dir / "pids.json").read_text())
+    os.kill(pids["actor"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "actor exited with code -9" in err and "last lines of" in err
+    for name, pid in pids.items():  # nothing is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
