@@ -12,7 +12,7 @@ comma := ,
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-quick bench lint format openapi clean
+.PHONY: install run compare test test-quick bench lint format openapi clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ endif
 
 run: $(STAMP)
 	$(BIN)/pipelinerl run recipes/tiny_cpu.yaml $(ARGS)
+
+# The tiny recipe twice, pipelined (max_lag 2) and synchronous (max_lag 0): one PNG of both curves against
+# wall-clock time and samples, in bench/results/tiny_sync_vs_pipelined.png.
+compare: $(STAMP)
+	$(BIN)/python -m bench.pipeline_vs_sync --compare
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -9,10 +9,12 @@ preallocated flat uint8 tensors into preallocated buffers: no HTTP, no packing o
 engine process serves one extra route for this (`/bench/raw_receive`), added by this file.
 
 Rounds alternate between the two so drift hits both; the medians are compared. `ratio` = trainer bytes/s
-divided by raw bytes/s with 16 MB buckets (recipes/tiny_cpu.yaml's setting); the sweep adds 64 MB (the
-WeightSyncConfig default), 4 MB and per-tensor (bucket_mb = 0). Each mode also reports the engine's own
-receive and switch times, so the gap can be attributed (packing copies, switch copy, HTTP). `--quick` uses a
-~8 MB model, where fixed per-update costs dominate: a smoke run, not a measurement.
+divided by raw bytes/s with 16 MB buckets (recipes/tiny_cpu.yaml's setting); the sweep adds 64 MB, 4 MB (the
+WeightSyncConfig default) and per-tensor (bucket_mb = 0), each with its trainer-path MB/s in the summary, the
+number to compare bucket sizes by. Each mode also reports the engine's own receive and switch times and the
+trainer's own broadcast time (packing and sending on rank 0), so the gap can be attributed: `other` is what
+the trainer path spends outside the engine's receive and switch (HTTP, building the request). `--quick` uses
+a ~8 MB model, where fixed per-update costs dominate: a smoke run, not a measurement.
 
     python bench/trainer_weight_sync.py [--quick]
 """
@@ -26,7 +28,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make `pipelinerl` importable
     sys.path.insert(0, str(REPO))
 
+import pipelinerl.engines.client as engine_client  # noqa: E402
 from pipelinerl.config import TrainerConfig, WeightSyncConfig  # noqa: E402
 from pipelinerl.engines.client import EngineClient  # noqa: E402
 from pipelinerl.procs import free_port, start_process, stop_process, tail  # noqa: E402
@@ -42,7 +47,7 @@ from pipelinerl.weight_sync import ALIGN, TensorSpec, WeightUpdateGroup, plan_bu
 
 NAME = "trainer_weight_sync"
 TARGET = 0.9
-MAIN_BUCKET_MB = 16.0  # the measured `ratio`; the sweep adds the config default (64), 4 and per-tensor
+MAIN_BUCKET_MB = 16.0  # the measured `ratio`; the sweep adds 64, the config default (4) and per-tensor
 
 
 def run(quick: bool = False) -> dict:
@@ -84,7 +89,8 @@ def run(quick: bool = False) -> dict:
     main = modes[_mode_name(MAIN_BUCKET_MB)]
     ratio = main["ratio"]
     summary = (f"{main['trainer_MBps']:.0f} vs raw {main['raw_MBps']:.0f} MB/s, {MAIN_BUCKET_MB:g} MB buckets; "
-               + ", ".join(f"{k} {v['ratio']:.2f}" for k, v in modes.items() if v is not main))
+               + ", ".join(f"{k} {v['ratio']:.2f} ({v['trainer_MBps']:.0f} MB/s)" for k, v in modes.items()
+                           if v is not main))
     return {"name": NAME, "ratio": round(ratio, 4), "target": TARGET, "passed": ratio >= TARGET, "summary": summary,
             "trainer_MBps": main["trainer_MBps"], "raw_MBps": main["raw_MBps"],
             "model_mb": round(main["bytes"] / 2**20, 2), "modes": modes, "settings": settings, "quick": quick}
@@ -101,15 +107,19 @@ def _measure(trainer, group: WeightUpdateGroup, client: EngineClient, bucket_mb:
     specs = [TensorSpec.of(n, t) for n, t in named]
     sizes = _broadcast_sizes(specs, trainer.bucket_bytes)
     raw_buffers = [torch.ones(n, dtype=torch.uint8) for n in sizes]
-    t = {"trainer": [], "raw": [], "raw_receiver": [], "engine_receive": [], "engine_switch": []}
+    t = {"trainer": [], "raw": [], "raw_receiver": [], "trainer_send": [], "engine_receive": [],
+         "engine_switch": [], "other": []}
     trainer.broadcast_weights(group, [client.url])  # warm-up: connections, staging buffers, page faults
     _raw_round(group, client, raw_buffers)
     for _ in range(rounds):
-        stats = trainer.broadcast_weights(group, [client.url])
+        with _timed_sends() as sends:
+            stats = trainer.broadcast_weights(group, [client.url])
         t["trainer"].append(stats.seconds)
+        t["trainer_send"].append(sum(sends))
         m = client.metrics()
         t["engine_receive"].append(m["pipelinerl_last_weight_update_receive_seconds"])
         t["engine_switch"].append(m["pipelinerl_last_weight_update_switch_seconds"])
+        t["other"].append(stats.seconds - t["engine_receive"][-1] - t["engine_switch"][-1])
         sent_s, received_s = _raw_round(group, client, raw_buffers)
         t["raw"].append(sent_s)
         t["raw_receiver"].append(received_s)
@@ -121,6 +131,27 @@ def _measure(trainer, group: WeightUpdateGroup, client: EngineClient, bucket_mb:
             "ratio": trainer_bps / raw_bps, "ratio_best_of_rounds": round(best, 4),
             "median_s": {k: round(v, 5) for k, v in med.items()},
             "rounds_s": {k: [round(x, 5) for x in v] for k, v in t.items()}}
+
+
+@contextmanager
+def _timed_sends() -> Iterator[list[float]]:
+    """Seconds of each `broadcast_tensors` call the trainer path makes (through the client module, which is
+    where `push_weights` looks it up) while the block runs."""
+    send = engine_client.broadcast_tensors
+    seconds: list[float] = []
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return send(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    engine_client.broadcast_tensors = timed
+    try:
+        yield seconds
+    finally:
+        engine_client.broadcast_tensors = send
 
 
 def _broadcast_sizes(specs: list[TensorSpec], bucket_bytes: int) -> list[int]:
@@ -162,11 +193,18 @@ def _serve_receiver(model_dir: str, port: int) -> None:
     engine = EmbeddedEngine(model, model_dir, settings, tokenizer)
     app = create_app(engine, title="weight-sync benchmark receiver")
     app.router.on_shutdown.append(engine.shutdown)
+    # The raw receiver's buffers, kept across rounds like the engine's staging: fresh ones would put page
+    # faults (every round, for buckets above glibc's mmap threshold) into the raw time.
+    raw_buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
     @app.post("/bench/raw_receive")
     async def raw_receive(body: dict) -> dict:
         group = engine._group  # the engine's own weight-update group, the one the trainer path uses
-        buffers = [torch.empty(n, dtype=torch.uint8) for n in body["sizes"]]
+        sizes = tuple(body["sizes"])
+        if sizes not in raw_buffers:
+            raw_buffers.clear()
+            raw_buffers[sizes] = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        buffers = raw_buffers[sizes]
 
         def receive() -> float:
             group.barrier()

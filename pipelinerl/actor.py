@@ -13,7 +13,6 @@ is synchronous RL: one batch per version, generated, trained on, then the next.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -25,7 +24,7 @@ from pathlib import Path
 from pipelinerl.config import RunConfig, load_config
 from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
 from pipelinerl.engines.client import AsyncEngineClient
-from pipelinerl.procs import die_with_parent
+from pipelinerl.procs import role_arguments
 from pipelinerl.rewards import RewardPool, RewardResult
 from pipelinerl.rewards.pool import resolve
 from pipelinerl.rewards.shaping import shape_reward
@@ -182,15 +181,8 @@ class Actor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipelinerl.actor", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="the run's resolved config.yaml")
-    parser.add_argument("--engines", required=True, help="comma-separated engine URLs")
-    args = parser.parse_args(argv)
-    die_with_parent()
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.basicConfig(level="INFO", format="%(asctime)s actor %(levelname)s %(message)s")
-    cfg = load_config(args.config)
-    actor = Actor(cfg, args.engines.split(","))
+    args = role_arguments("actor", __doc__.splitlines()[0], argv)
+    actor = Actor(load_config(args.config), args.engines)
     signal.signal(signal.SIGTERM, lambda *_: setattr(actor, "done", True))
     asyncio.run(actor.run())
     return 0

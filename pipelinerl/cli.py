@@ -38,6 +38,12 @@ def _eval(args: argparse.Namespace) -> int:
     return evaluation.main(args)
 
 
+def _conformance(args: argparse.Namespace) -> int:
+    from pipelinerl import conformance
+
+    return conformance.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pipelinerl import serve
 
@@ -62,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluation.add_arguments(ev)
     ev.set_defaults(func=_eval)
+
+    conf = sub.add_parser("conformance", help="check an engine against the inference contract",
+                          description="Run the contract's conformance suite against an engine URL; prints a "
+                                      "PASS/FAIL table and exits non-zero on failure.")
+    from pipelinerl import conformance
+
+    conformance.add_arguments(conf)
+    conf.set_defaults(func=_conformance)
 
     plot = sub.add_parser("plot", help="PNG curves of one or more runs",
                           description="Write curves_step.png and curves_time.png from RUN_DIR/metrics.jsonl.")

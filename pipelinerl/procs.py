@@ -69,3 +69,20 @@ def tail(path: str | Path, lines: int = 20) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def role_arguments(role: str, description: str, argv: list[str] | None = None):
+    """The command line every pipeline role takes (`CONFIG --engines URL[,URL]`), parsed; also sets up what a
+    child of the launcher needs first: dying with its parent and log lines tagged with the role."""
+    import argparse
+    import logging
+
+    parser = argparse.ArgumentParser(prog=f"python -m pipelinerl.{role}", description=description)
+    parser.add_argument("config", help="the run's resolved config.yaml")
+    parser.add_argument("--engines", required=True, help="comma-separated engine URLs")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.basicConfig(level="INFO", format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    args.engines = args.engines.split(",")
+    return args

@@ -12,7 +12,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", default="embedded", choices=["embedded"],
+    p.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
                    help="inference engine behind the contract")
     p.add_argument("--model", required=True, help="local Hugging Face model directory (or a hub name)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -60,6 +60,10 @@ def main(args: argparse.Namespace) -> None:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.engine == "vllm":
+        from pipelinerl.engines.vllm import serve as serve_vllm
+
+        return serve_vllm(args)
     app = build_app(args)
     print(f"pipelinerl {args.engine} engine serving {args.model} on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -10,7 +10,6 @@ new weights into the running engines, and announces the new version on the contr
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from pipelinerl.actor import streams_dir
 from pipelinerl.config import RunConfig, load_config
-from pipelinerl.procs import die_with_parent
+from pipelinerl.procs import role_arguments
 from pipelinerl.samples import Sample
 from pipelinerl.streams import StreamReader, StreamWriter
 from pipelinerl.trainer import Trainer
@@ -177,14 +176,8 @@ def _position(feed: SampleFeed, stale_dropped: int, started: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipelinerl.train", description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="the run's resolved config.yaml")
-    parser.add_argument("--engines", required=True, help="comma-separated engine URLs")
-    args = parser.parse_args(argv)
-    die_with_parent()
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.basicConfig(level="INFO", format="%(asctime)s trainer %(levelname)s %(message)s")
-    train(load_config(args.config), args.engines.split(","))
+    args = role_arguments("train", __doc__.splitlines()[0], argv)
+    train(load_config(args.config), args.engines)
     return 0
 
 

@@ -11,6 +11,11 @@ order of the spec list, from rank 0.
 - `bucket_bytes > 0`: tensors are laid out back to back as raw bytes, each starting at an offset rounded up
   to `ALIGN` bytes; consecutive tensors are grouped greedily into buckets of at most `bucket_bytes` (a tensor
   larger than that is a bucket of its own); each bucket is one broadcast of a flat uint8 tensor.
+
+How a transfer runs (free to change, the bytes on the wire stay the same): up to `PIPELINE_DEPTH` broadcasts
+are in flight, so packing or unpacking one bucket overlaps the transfer of another; a bucket whose tensors
+already lie in memory as the wire lays them out is sent or received in place, and the others go through
+flat buffers that the group keeps and reuses across buckets and updates (`BucketBuffers`).
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import gc
 import logging
 import time
 import weakref
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -32,6 +38,8 @@ log = logging.getLogger(__name__)
 ALIGN = 16
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# Broadcasts in flight at once: (un)packing one bucket overlaps the transfer of the one before it.
+PIPELINE_DEPTH = 2
 
 
 class WeightSyncError(RuntimeError):
@@ -60,6 +68,38 @@ class TensorSpec:
         return cls(name, t.dtype, tuple(t.shape))
 
 
+class BucketBuffers:
+    """Flat uint8 buffers for packing (sender) or unpacking (receiver) buckets, one per pipeline slot, kept
+    for the life of the group.
+
+    A fresh buffer per bucket costs more than the copy into it: a bucket above glibc's mmap threshold (at
+    most 32 MB) gets new pages from the kernel on every allocation, each faulted in on first write. Reused
+    buffers sized once to the largest bucket make steady-state updates allocate nothing, at a fixed cost of
+    `PIPELINE_DEPTH` buckets of memory per process.
+    """
+
+    def __init__(self) -> None:
+        self._slots: list[torch.Tensor | None] = [None] * PIPELINE_DEPTH
+
+    def reserve(self, nbytes: int, device: torch.device) -> None:
+        """Make every slot hold at least `nbytes` on `device` (before a transfer, so none grows midway)."""
+        if nbytes <= 0:
+            return
+        for i, buf in enumerate(self._slots):
+            if buf is None or buf.numel() < nbytes or buf.device != device:
+                self._slots[i] = None  # free the old buffer before allocating its replacement
+                self._slots[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def slot(self, k: int, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the buffer for bucket `k` (see `_pipelined` for when it is free)."""
+        buf = self._slots[k % PIPELINE_DEPTH]
+        assert buf is not None and buf.numel() >= nbytes, "reserve() first"
+        return buf[:nbytes]
+
+    def clear(self) -> None:
+        self._slots = [None] * PIPELINE_DEPTH
+
+
 @dataclass(eq=False)
 class WeightUpdateGroup:
     """A live group. `device` is where received tensors land (cuda for nccl, cpu for gloo)."""
@@ -71,12 +111,18 @@ class WeightUpdateGroup:
     group_name: str
     device: torch.device
     store: dist.Store
+    buffers: BucketBuffers = field(default_factory=BucketBuffers, repr=False)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
+        """Start a broadcast on the group's worker thread (gloo) or stream (nccl); `wait()` on the result.
+        Keep `tensor` alive and unchanged until then."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self.pg.broadcast([tensor], opts).wait()
+        return self.pg.broadcast([tensor], opts)
 
     def barrier(self) -> None:
         self.broadcast(torch.zeros(1, device=self.device))
@@ -88,6 +134,7 @@ class WeightUpdateGroup:
             return
         self.pg = None  # type: ignore[assignment]
         self.store = None  # type: ignore[assignment]
+        self.buffers.clear()
         gc.collect()
 
 
@@ -156,15 +203,23 @@ def init_weight_update_group(
 def _wait_for_peers(store: dist.Store, world_size: int, deadline: float, group_name: str) -> None:
     pending = set(range(world_size))
     while pending:
-        pending = {r for r in pending if not store.check([f"joined/{r}"])}
+        try:
+            pending = {r for r in pending if not store.check([f"joined/{r}"])}
+        except Exception as e:
+            # Rank 0 hosts the store and gives up at the same deadline: a member still waiting then finds the
+            # store closed. The cause is still the members that never joined, so report them.
+            raise WeightSyncTimeout(_not_joined(group_name, pending, world_size)
+                                    + " (the rendezvous at rank 0 closed first)") from e
         if not pending:
             return
         if time.monotonic() > deadline:
-            raise WeightSyncTimeout(
-                f"weight-update group {group_name!r}: rank(s) {sorted(pending)} of {world_size} did not join in "
-                "time; check that every engine was asked to join with the same master address, port and world "
-                "size")
+            raise WeightSyncTimeout(_not_joined(group_name, pending, world_size))
         time.sleep(0.05)
+
+
+def _not_joined(group_name: str, pending: set[int], world_size: int) -> str:
+    return (f"weight-update group {group_name!r}: rank(s) {sorted(pending)} of {world_size} did not join in time; "
+            "check that every engine was asked to join with the same master address, port and world size")
 
 
 def _as_sync_error(e: Exception, what: str, timeout_s: float) -> WeightSyncError:
@@ -201,53 +256,184 @@ def _check_timeout(e: Exception, group: WeightUpdateGroup) -> WeightSyncError:
     return _as_sync_error(e, f"broadcast in group {group.group_name!r} failed", 0)
 
 
-def broadcast_tensors(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor], bucket_bytes: int = 0) -> int:
-    """Rank 0: send `tensors` to every other member. Returns the bytes sent."""
-    specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
-    sent = 0
+@dataclass(frozen=True)
+class _Bucket:
+    """One broadcast of an update: its tensors, where each starts in it, its size in bytes."""
+
+    indices: list[int]
+    offsets: list[int]
+    nbytes: int
+
+
+def _layout(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[_Bucket]:
+    """`plan_buckets` with the byte offsets of the wire format (per tensor: offset 0, its own size)."""
+    buckets = []
+    for indices in plan_buckets(specs, bucket_bytes):
+        if bucket_bytes <= 0:
+            buckets.append(_Bucket(indices, [0], specs[indices[0]].nbytes))
+            continue
+        offsets = []
+        size = 0
+        for i in indices:
+            offsets.append(size)
+            size += _aligned(specs[i].nbytes)
+        buckets.append(_Bucket(indices, offsets, size))
+    return buckets
+
+
+def wire_buffers(specs: Sequence[TensorSpec], bucket_bytes: int = 0,
+                 device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Empty tensors for `specs`, laid out in memory as the wire format lays them out: one flat buffer per
+    bucket, padding included, each tensor a view into it. `receive_tensors` receives a bucket straight into
+    such tensors, with no unpacking copy (keep them across updates, so that no update allocates), and
+    `broadcast_tensors` sends a bucket straight from them (e.g. parameters re-pointed into them), with no
+    packing copy."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(specs)
+    for bucket in _layout(specs, bucket_bytes):
+        flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        for i, offset in zip(bucket.indices, bucket.offsets):
+            spec = specs[i]
+            out[i] = flat[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+    return out
+
+
+def _wire_view(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], bucket: _Bucket,
+               device: torch.device) -> torch.Tensor | None:
+    """The bucket as a flat uint8 view of the tensors' own memory when they already lie there as the wire
+    format lays them out, so it is broadcast with no packing or unpacking copy; None otherwise.
+
+    That is one tensor of exactly the bucket's size (any contiguous tensor whose size is a multiple of
+    `ALIGN`), or views into one storage that holds this bucket and nothing else (what `wire_buffers` makes):
+    receiving writes the padding too, so memory that is not the bucket's own must never be taken for it.
+    """
+    members = [tensors[i] for i in bucket.indices]
+    for t, i in zip(members, bucket.indices):
+        if t.device != device or t.dtype != specs[i].dtype or tuple(t.shape) != specs[i].shape \
+                or not t.is_contiguous():
+            return None
+    first = members[0]
+    if len(members) == 1 and first.numel() * first.element_size() == bucket.nbytes:
+        return first.reshape(-1).view(torch.uint8)
+    storage = first.untyped_storage()
+    if storage.nbytes() != bucket.nbytes:
+        return None
+    base = storage.data_ptr()
+    for t, offset in zip(members, bucket.offsets):
+        if t.untyped_storage().data_ptr() != base or t.data_ptr() != base + offset:
+            return None
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (bucket.nbytes,))
+
+
+def _pack(sources: Sequence[torch.Tensor], specs: Sequence[TensorSpec], bucket: _Bucket,
+          flat: torch.Tensor) -> torch.Tensor:
+    """Copy the bucket's tensors into `flat` at their offsets: one copy each, whatever their device or
+    strides, by viewing the destination bytes as the tensor's dtype and shape."""
+    for i, offset in zip(bucket.indices, bucket.offsets):
+        spec = specs[i]
+        flat[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape).copy_(sources[i])
+    return flat
+
+
+def _unpack(received: torch.Tensor, specs: Sequence[TensorSpec], bucket: _Bucket,
+            result: list[torch.Tensor]) -> None:
+    flat = received.reshape(-1).view(torch.uint8)
+    for i, offset in zip(bucket.indices, bucket.offsets):
+        spec = specs[i]
+        result[i].copy_(flat[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape))
+
+
+def _on_wire(flat: torch.Tensor, specs: Sequence[TensorSpec], bucket: _Bucket, bucket_bytes: int) -> torch.Tensor:
+    """What is broadcast for a bucket: its flat bytes, or with `bucket_bytes` = 0 its one tensor in its own
+    dtype and shape (what SGLang receives)."""
+    if bucket_bytes > 0:
+        return flat
+    spec = specs[bucket.indices[0]]
+    return flat.view(spec.dtype).view(spec.shape)
+
+
+def _wire_views(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], buckets: Sequence[_Bucket],
+                group: WeightUpdateGroup) -> list[torch.Tensor | None]:
+    """`_wire_view` of every bucket; reserves the group's buffers for the buckets that have none."""
+    views = [_wire_view(tensors, specs, b, group.device) for b in buckets]
+    group.buffers.reserve(max((b.nbytes for b, v in zip(buckets, views) if v is None), default=0), group.device)
+    return views
+
+
+def _pipelined(group: WeightUpdateGroup, buckets: Sequence[_Bucket],
+               prepare: Callable[[int, _Bucket], torch.Tensor],
+               finish: Callable[[int, _Bucket, torch.Tensor], None] | None = None) -> None:
+    """One broadcast per bucket, with up to `PIPELINE_DEPTH` in flight: while the process group's worker
+    thread moves bucket k, this thread packs bucket k+1 (`prepare`, sender) or unpacks bucket k-1 (`finish`,
+    receiver). Bucket k may reuse the buffer slot `k % PIPELINE_DEPTH`: bucket k - PIPELINE_DEPTH, its last
+    user, is finished before bucket k is prepared."""
+    in_flight: deque[tuple[dist.Work, int, _Bucket, torch.Tensor]] = deque()
+
+    def complete_oldest() -> None:
+        work, k, bucket, tensor = in_flight.popleft()
+        work.wait()
+        if finish is not None:
+            finish(k, bucket, tensor)
+
     try:
-        for bucket in plan_buckets(specs, bucket_bytes):
-            if bucket_bytes <= 0:
-                t = tensors[bucket[0]].detach().to(group.device).contiguous()
-                group.broadcast(t, src=0)
-                sent += t.numel() * t.element_size()
-                continue
-            flat = torch.empty(sum(_aligned(specs[i].nbytes) for i in bucket), dtype=torch.uint8,
-                               device=group.device)
-            offset = 0
-            for i in bucket:
-                src = tensors[i].detach().contiguous().reshape(-1).view(torch.uint8)
-                flat[offset:offset + src.numel()].copy_(src)
-                offset += _aligned(src.numel())
-            group.broadcast(flat, src=0)
-            sent += flat.numel()
+        for k, bucket in enumerate(buckets):
+            if len(in_flight) >= PIPELINE_DEPTH:
+                complete_oldest()
+            tensor = prepare(k, bucket)
+            # The tensor stays referenced in `in_flight` until its broadcast is done.
+            in_flight.append((group.broadcast_async(tensor), k, bucket, tensor))
+        while in_flight:
+            complete_oldest()
     except RuntimeError as e:
+        group.buffers.clear()  # a broadcast still in flight may write into them; the next update gets new ones
         raise _check_timeout(e, group) from e
-    return sent
+
+
+def broadcast_tensors(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor], bucket_bytes: int = 0) -> int:
+    """Rank 0: send `tensors` to every other member. Returns the bytes sent.
+
+    A bucket whose tensors already lie in memory as the wire format lays them out (any contiguous tensor on
+    the group's device per tensor, or of a multiple of `ALIGN` bytes alone in a bucket) is sent from their
+    own memory; the others are packed into the group's reused buffers. The tensors must not change until
+    this returns."""
+    specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
+    sources = [t.detach() for t in tensors]
+    buckets = _layout(specs, bucket_bytes)
+    views = _wire_views(sources, specs, buckets, group)
+
+    def prepare(k: int, bucket: _Bucket) -> torch.Tensor:
+        flat = views[k]
+        if flat is None:
+            flat = _pack(sources, specs, bucket, group.buffers.slot(k, bucket.nbytes))
+        return _on_wire(flat, specs, bucket, bucket_bytes)
+
+    _pipelined(group, buckets, prepare)
+    return sum(b.nbytes for b in buckets)
 
 
 def receive_tensors(group: WeightUpdateGroup, specs: Sequence[TensorSpec], bucket_bytes: int = 0,
                     out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Rank > 0: receive the tensors described by `specs` from rank 0, into `out` when given."""
+    """Rank > 0: receive the tensors described by `specs` from rank 0, into `out` when given.
+
+    A bucket is received straight into `out` when its tensors lie there as the wire format lays them out
+    (`wire_buffers`; per tensor, any contiguous tensor of the spec's dtype on the group's device); other
+    buckets go through the group's reused buffers and are copied out. Without `out`, the result is
+    `wire_buffers` (no copies)."""
     if out is not None and len(out) != len(specs):
         raise ValueError(f"{len(out)} output tensors for {len(specs)} specs")
-    result = list(out) if out is not None else [torch.empty(s.shape, dtype=s.dtype, device=group.device)
-                                                 for s in specs]
-    try:
-        for bucket in plan_buckets(specs, bucket_bytes):
-            if bucket_bytes <= 0:
-                group.broadcast(result[bucket[0]], src=0)
-                continue
-            flat = torch.empty(sum(_aligned(specs[i].nbytes) for i in bucket), dtype=torch.uint8,
-                               device=group.device)
-            group.broadcast(flat, src=0)
-            offset = 0
-            for i in bucket:
-                n = specs[i].nbytes
-                result[i].copy_(flat[offset:offset + n].view(specs[i].dtype).view(specs[i].shape))
-                offset += _aligned(n)
-    except RuntimeError as e:
-        raise _check_timeout(e, group) from e
+    result = list(out) if out is not None else wire_buffers(specs, bucket_bytes, group.device)
+    buckets = _layout(specs, bucket_bytes)
+    views = _wire_views(result, specs, buckets, group)
+
+    def prepare(k: int, bucket: _Bucket) -> torch.Tensor:
+        flat = views[k]
+        return _on_wire(flat if flat is not None else group.buffers.slot(k, bucket.nbytes), specs, bucket,
+                        bucket_bytes)
+
+    def finish(k: int, bucket: _Bucket, received: torch.Tensor) -> None:
+        if views[k] is None:
+            _unpack(received, specs, bucket, result)
+
+    _pipelined(group, buckets, prepare, finish)
     return result
 
 

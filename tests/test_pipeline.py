@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from pipelinerl.procs import free_port
-from pipelinerl.streams import encode_record
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = str(Path(__file__).resolve().parent)
@@ -95,6 +94,6 @@ def test_a_dead_child_stops_the_run_naming_it(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "actor exited with code -9" in err and "last lines of" in err
-    for name, pid in pids.items():  # nothing is left behind
+    for pid in pids.values():  # nothing is left behind
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

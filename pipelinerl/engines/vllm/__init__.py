@@ -1,0 +1,59 @@
+"""vLLM behind the inference contract: `pipelinerl serve --engine vllm --model PATH` (or `engine.kind: vllm` in
+a recipe).
+
+Two processes: vLLM's own OpenAI server on a private loopback port, started with our worker extension
+(`worker_extension.py`: joins the weight-update group, receives broadcasts, loads them with
+`model_runner.reload_weights`), and in front of it this package's thin server (`front.py`: the contract's routes
+from `pipelinerl.engines.server.create_app`, implemented over vLLM's HTTP API). The front listens only once vLLM
+is healthy, so a client's health check covers both. Install with `pip install -e ".[vllm]"` (see
+`launch/vllm_install.mk` for the CPU build's quirks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pipelinerl.procs import free_port
+
+log = logging.getLogger(__name__)
+
+
+def build_backend(args: argparse.Namespace, vllm_url: str):
+    """The front's `EngineBackend` for a vLLM server at `vllm_url` serving `args.model`."""
+    from pipelinerl.engines.external import load_tokenizer, model_facts
+    from pipelinerl.engines.vllm.front import FrontSettings, VLLMBackend
+
+    facts = model_facts(args.model, args.dtype)
+    settings = FrontSettings(max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs,
+                             initial_version=args.initial_version)
+    return VLLMBackend(vllm_url, args.model, facts, settings, load_tokenizer(args.model))
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Start vLLM, wait until it is healthy, then serve the contract on `args.host:args.port` until stopped."""
+    import uvicorn
+
+    from pipelinerl.engines.server import create_app
+    from pipelinerl.engines.vllm import launcher
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"--engine vllm needs vLLM ({e}); install it with `make install-vllm` or "
+                         "`pip install -e '.[vllm]'`") from None
+    port = free_port()
+    proc = launcher.start(args, port)
+    try:
+        vllm_url = f"http://127.0.0.1:{port}"
+        backend = build_backend(args, vllm_url)  # reads the model's config while vLLM starts
+        launcher.check_args(args, backend.facts)
+        launcher.wait_healthy(vllm_url, proc)
+        app = create_app(backend, title="pipelinerl vLLM engine")
+        app.router.on_startup.append(backend.start)
+        app.router.on_shutdown.append(backend.aclose)
+        print(f"pipelinerl vllm engine serving {args.model} on http://{args.host}:{args.port} "
+              f"(vLLM on {vllm_url})", flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        launcher.stop(proc)

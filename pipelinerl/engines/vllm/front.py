@@ -1,0 +1,281 @@
+"""The contract served over a running vLLM OpenAI server: an `EngineBackend` that drives vLLM's own HTTP API.
+
+- Generation: `POST /inference/v1/generate` (vLLM's tokens-in/tokens-out route, `--enable-scale-out`) with the
+  prompt's token ids; vLLM is started with `--logprobs-mode processed_logprobs`, so the log-prob it reports for
+  a sampled token is log softmax(logits / temperature) (temperature 1 for greedy rows), as the contract says.
+  Per-token versions come from the `weight_versions` spans vLLM attaches to every finished choice.
+- Weight updates: the worker extension (`worker_extension.py`) through `POST /collective_rpc`
+  (`VLLM_SERVER_DEV_MODE=1`). Receiving runs on a thread in the worker while vLLM keeps decoding; the switch
+  runs with the scheduler paused in `keep` mode and `clear_cache=false` (running requests keep their KV cache
+  and continue), and relabels vLLM's weight version in the same pause, so the version vLLM stamps on each
+  engine step is exactly the weights that step ran with.
+- Abort: `POST /abort_requests` with vLLM's external request ids; vLLM answers the aborted requests with
+  what they generated and finish reason `abort`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from pipelinerl.contracts.inference import (
+    Completion,
+    CompletionsRequest,
+    CompletionsResponse,
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    InitWeightUpdateGroupRequest,
+    UpdateWeightsRequest,
+    UpdateWeightsResponse,
+    WeightsChecksumResponse,
+)
+from pipelinerl.engines.external import (
+    FrontMetrics,
+    ModelFacts,
+    check_generate,
+    check_update,
+    completions_via_generate,
+    versions_from_spans,
+)
+from pipelinerl.engines.server import ContractError
+
+log = logging.getLogger(__name__)
+
+# vLLM prefixes the request id of /inference/v1/generate with this to make its external id.
+_EXTERNAL_PREFIX = "generate-tokens-"
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_POLL_S = 0.002
+
+
+@dataclass
+class FrontSettings:
+    max_model_len: int
+    max_running_seqs: int
+    initial_version: int = 0
+    update_timeout_s: float = 600.0
+
+
+class VLLMBackend:
+    """Implements `pipelinerl.engines.server.EngineBackend` over vLLM's HTTP API at `url`."""
+
+    def __init__(self, url: str, model_name: str, facts: ModelFacts, settings: FrontSettings, tokenizer=None):
+        self.url, self.model_name, self.facts, self.settings = url.rstrip("/"), model_name, facts, settings
+        self.tokenizer = tokenizer
+        self.version = settings.initial_version
+        self.metrics = FrontMetrics()
+        self._group_name: str | None = None
+        self._update_lock = asyncio.Lock()
+        self._in_flight: set[str] = set()
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """Created on first use, inside the server's event loop."""
+        if self._http is None:
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            self._http = httpx.AsyncClient(base_url=self.url, timeout=None, limits=limits)
+        return self._http
+
+    async def start(self) -> None:
+        """Label vLLM's weights with the initial version (vLLM starts at "default")."""
+        await self._post("/update_weight_version", {"new_version": str(self.version)})
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+    # --- generation ----------------------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        s = self.settings
+        max_new = check_generate(req, self.facts.vocab_size, s.max_model_len, s.max_running_seqs)
+        rid = req.request_id or uuid.uuid4().hex
+        if rid in self._in_flight:
+            raise ContractError(409, f"request_id {rid!r} is already running", "request_id")
+        p = req.sampling
+        body = {"request_id": rid, "token_ids": req.prompt_token_ids, "output_mode": "tokens",
+                "sampling_params": {"n": p.n, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+                                    "seed": p.seed, "max_tokens": max_new, "stop_token_ids": p.stop_token_ids,
+                                    "ignore_eos": p.ignore_eos, "logprobs": 0, "detokenize": False}}
+        start_version = self.version
+        self._in_flight.add(rid)
+        self.metrics.request_started()
+        tokens = 0
+        try:
+            resp = await self.http.post("/inference/v1/generate", json=body)
+            out = self._parse_generate(rid, len(req.prompt_token_ids), p.n, resp, start_version)
+            tokens = sum(len(c.token_ids) for c in out.completions)
+            return out
+        except asyncio.CancelledError:  # the client went away: stop spending compute on it
+            await asyncio.shield(self._abort_ids([rid]))
+            raise
+        finally:
+            self._in_flight.discard(rid)
+            self.metrics.request_ended(tokens)
+
+    def _parse_generate(self, rid: str, prompt_len: int, n: int, resp: httpx.Response,
+                        start_version: int) -> GenerateResponse:
+        body = _json(resp)
+        if resp.status_code >= 400:
+            raise _engine_error(resp.status_code, body)
+        choices = sorted(body.get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise ContractError(500, f"vLLM returned {len(choices)} choices for n={n}", type="engine_error")
+        completions = []
+        for c in choices:
+            token_ids = list(c.get("token_ids") or [])
+            content = (c.get("logprobs") or {}).get("content") or []
+            logprobs = [float(x["logprob"]) for x in content]
+            if len(logprobs) != len(token_ids):
+                raise ContractError(500, f"vLLM returned {len(logprobs)} log-probs for {len(token_ids)} tokens",
+                                    type="engine_error")
+            spans = [(int(v["version"]), int(v["start"]), int(v["end"])) for v in c.get("weight_versions") or []
+                     if str(v["version"]).lstrip("-").isdigit()]
+            reason = _FINISH.get(c.get("finish_reason") or "", None)
+            if reason is None:
+                raise ContractError(500, f"vLLM finished with {c.get('finish_reason')!r}", type="engine_error")
+            completions.append(Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
+                                          versions=versions_from_spans(spans, len(token_ids), start_version)))
+        return GenerateResponse(request_id=rid, prompt_len=prompt_len, completions=completions)
+
+    async def completions(self, req: CompletionsRequest) -> CompletionsResponse:
+        return await completions_via_generate(req, self.tokenizer, self.model_name, self.generate)
+
+    async def abort(self, request_id: str | None) -> list[str]:
+        targets = sorted(self._in_flight) if request_id is None else (
+            [request_id] if request_id in self._in_flight else [])
+        if targets:
+            await self._abort_ids(targets)
+        return targets
+
+    async def _abort_ids(self, rids: list[str]) -> None:
+        await self._post("/abort_requests", {"request_ids": [_EXTERNAL_PREFIX + r for r in rids]})
+
+    # --- weights -------------------------------------------------------------------------------------------
+
+    async def init_weight_update_group(self, req: InitWeightUpdateGroupRequest) -> None:
+        import torch
+
+        if req.backend == "nccl" and not torch.cuda.is_available():
+            raise ContractError(400, "backend 'nccl' needs a GPU; use 'gloo' on CPU", "backend")
+        async with self._update_lock:
+            self._group_name = None
+            try:
+                await self._rpc("pipelinerl_init_group", req.model_dump(), timeout_s=req.timeout_s + 30)
+            except ContractError as e:
+                raise ContractError(504, e.message, type="weight_sync_error") from None
+            self._group_name = req.group_name
+
+    async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
+        async with self._update_lock:
+            if self._group_name is None or self._group_name != req.group_name:
+                raise ContractError(409, f"not in weight-update group {req.group_name!r}; call "
+                                         "/v1/weights/init_group first", "group_name", "conflict")
+            t0 = time.perf_counter()
+            problem = check_update(req.params, self.facts.params)
+            specs = [[p.name, p.dtype, p.shape] for p in req.params]
+            # A refused update is still drained (into scratch memory), so the trainer is not left hanging.
+            await self._rpc("pipelinerl_start_receive",
+                            {"specs": specs, "bucket_bytes": req.bucket_bytes, "apply": problem is None})
+            status = await self._wait_received()
+            if problem is not None:
+                self.metrics.refused_updates += 1
+                raise ContractError(400, problem[1], problem[0], "mismatched_update")
+            if status.get("error"):
+                raise ContractError(504, f"receiving the update failed: {status['error']}", type="weight_sync_error")
+            receive_s = time.perf_counter() - t0
+            switch_s = await self._switch(req.version)
+            nbytes = sum(_nbytes(p.dtype, p.shape) for p in req.params)
+            self.metrics.update_done(nbytes, receive_s, switch_s)
+            return UpdateWeightsResponse(version=req.version, received_bytes=nbytes, receive_s=receive_s,
+                                         switch_s=switch_s)
+
+    async def _wait_received(self) -> dict:
+        deadline = time.monotonic() + self.settings.update_timeout_s
+        while True:
+            status = (await self._rpc("pipelinerl_receive_status"))[0]
+            if status.get("done"):
+                return status
+            if time.monotonic() > deadline:
+                raise ContractError(504, "the update's broadcast did not finish in time", type="weight_sync_error")
+            await asyncio.sleep(_POLL_S)
+
+    async def _switch(self, version: int) -> float:
+        """Pause vLLM's scheduler between two steps (keeping running requests and their KV cache), load the
+        received weights, relabel the version, resume: every step after the pause runs the new weights and
+        is stamped with the new version."""
+        t0 = time.perf_counter()
+        await self._post("/pause", None, params={"mode": "keep", "clear_cache": "false"})
+        try:
+            await self._rpc("pipelinerl_switch")
+            await self._post("/update_weight_version", {"new_version": str(version)})
+            self.version = version
+        finally:
+            await self._post("/resume", None)
+        return time.perf_counter() - t0
+
+    async def weights_checksum(self) -> WeightsChecksumResponse:
+        raise ContractError(501, "vLLM keeps CPU linear weights only in packed kernel form (and fuses q/k/v and "
+                                 "gate/up): there are no per-parameter bytes to hash", type="not_implemented")
+
+    def info(self) -> InfoResponse:
+        s = self.settings
+        return InfoResponse(engine="vllm", model=self.model_name, weight_version=self.version,
+                            max_model_len=s.max_model_len, vocab_size=self.facts.vocab_size,
+                            max_running_seqs=s.max_running_seqs, eos_token_ids=self.facts.eos_token_ids,
+                            weight_group=self._group_name)
+
+    def metrics_text(self) -> str:
+        return self.metrics.text(self.version)
+
+    # --- vLLM calls ----------------------------------------------------------------------------------------
+
+    async def _rpc(self, method: str, payload: Any = None, timeout_s: float | None = None) -> list[Any]:
+        """Call a worker-extension method on every worker; its results, one per worker."""
+        body: dict[str, Any] = {"method": method, "args": [] if payload is None else [json.dumps(payload)]}
+        if timeout_s is not None:
+            body["timeout"] = timeout_s
+        resp = await self.http.post("/collective_rpc", json=body)
+        data = _json(resp)
+        if resp.status_code >= 400:
+            raise _engine_error(resp.status_code, data, f"collective_rpc {method}")
+        return data.get("results", []) if isinstance(data, dict) else []
+
+    async def _post(self, path: str, body: Any, params: dict | None = None) -> Any:
+        resp = await self.http.post(path, json=body, params=params)
+        data = _json(resp)
+        if resp.status_code >= 400:
+            raise _engine_error(resp.status_code, data, f"vLLM {path}")
+        return data
+
+
+def _json(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text
+
+
+def _engine_error(status: int, body: Any, what: str = "vLLM") -> ContractError:
+    """vLLM's error as the contract's: its 4xx stay 4xx (input the front did not catch), the rest are 5xx."""
+    err = body.get("error") if isinstance(body, dict) else None
+    message = (err.get("message") if isinstance(err, dict) else err) or (
+        body.get("detail") if isinstance(body, dict) else None) or str(body)
+    if 400 <= status < 500:
+        return ContractError(400, f"{what}: {message}")
+    return ContractError(500, f"{what} answered {status}: {message}", type="engine_error")
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    n = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    for s in shape:
+        n *= s
+    return n
