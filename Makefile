@@ -12,6 +12,9 @@ comma := ,
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
+# `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
+include launch/vllm_install.mk
+
 .PHONY: install run compare test test-quick bench lint format openapi clean
 
 install: $(STAMP)

@@ -11,7 +11,7 @@ import traceback
 
 from bench.common import RESULTS_DIR, format_table, write_result
 
-MODULES = ("engine_decode", "engine_updates", "trainer_weight_sync", "pipeline_vs_sync")
+MODULES = ("engine_decode", "engine_updates", "trainer_weight_sync", "pipeline_vs_sync", "engine_vs_vllm")
 
 
 def discover() -> dict[str, object]:

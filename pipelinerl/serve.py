@@ -12,7 +12,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
+    p.add_argument("--engine", default="embedded", choices=["embedded", "vllm", "sglang"],
                    help="inference engine behind the contract")
     p.add_argument("--model", required=True, help="local Hugging Face model directory (or a hub name)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -64,6 +64,10 @@ def main(args: argparse.Namespace) -> None:
         from pipelinerl.engines.vllm import serve as serve_vllm
 
         return serve_vllm(args)
+    if args.engine == "sglang":
+        from pipelinerl.engines.sglang import serve as serve_sglang
+
+        return serve_sglang(args)
     app = build_app(args)
     print(f"pipelinerl {args.engine} engine serving {args.model} on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -33,7 +33,7 @@ def test_contract_covers_the_required_operations():
     assert json.loads(render_openapi()) == doc
 
 
-@pytest.mark.parametrize("args", [[], ["run"], ["serve"], ["plot"]])
+@pytest.mark.parametrize("args", [[], ["run"], ["serve"], ["eval"], ["plot"], ["conformance"]])
 def test_every_subcommand_has_help(args):
     r = subprocess.run([sys.executable, "-m", "pipelinerl.cli", *args, "--help"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

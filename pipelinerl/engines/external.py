@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipelinerl.contracts.inference import (
     CompletionsChoice,
@@ -228,6 +229,21 @@ class FrontMetrics:
             out += [f"# HELP pipelinerl_{name} {help_text}", f"# TYPE pipelinerl_{name} {kind}",
                     f"pipelinerl_{name} {float(value)}"]
         return "\n".join(out) + "\n"
+
+
+def json_body(resp) -> Any:
+    """An engine's response body: JSON when it parses, else the text."""
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text
+
+
+def param_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    n = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    for s in shape:
+        n *= s
+    return n
 
 
 def repo_root() -> Path:

@@ -43,6 +43,8 @@ from pipelinerl.engines.external import (
     check_generate,
     check_update,
     completions_via_generate,
+    json_body,
+    param_nbytes,
     versions_from_spans,
 )
 from pipelinerl.engines.server import ContractError
@@ -123,7 +125,7 @@ class VLLMBackend:
 
     def _parse_generate(self, rid: str, prompt_len: int, n: int, resp: httpx.Response,
                         start_version: int) -> GenerateResponse:
-        body = _json(resp)
+        body = json_body(resp)
         if resp.status_code >= 400:
             raise _engine_error(resp.status_code, body)
         choices = sorted(body.get("choices") or [], key=lambda c: c["index"])
@@ -193,7 +195,7 @@ class VLLMBackend:
                 raise ContractError(504, f"receiving the update failed: {status['error']}", type="weight_sync_error")
             receive_s = time.perf_counter() - t0
             switch_s = await self._switch(req.version)
-            nbytes = sum(_nbytes(p.dtype, p.shape) for p in req.params)
+            nbytes = sum(param_nbytes(p.dtype, p.shape) for p in req.params)
             self.metrics.update_done(nbytes, receive_s, switch_s)
             return UpdateWeightsResponse(version=req.version, received_bytes=nbytes, receive_s=receive_s,
                                          switch_s=switch_s)
@@ -244,24 +246,18 @@ class VLLMBackend:
         if timeout_s is not None:
             body["timeout"] = timeout_s
         resp = await self.http.post("/collective_rpc", json=body)
-        data = _json(resp)
+        data = json_body(resp)
         if resp.status_code >= 400:
             raise _engine_error(resp.status_code, data, f"collective_rpc {method}")
         return data.get("results", []) if isinstance(data, dict) else []
 
     async def _post(self, path: str, body: Any, params: dict | None = None) -> Any:
         resp = await self.http.post(path, json=body, params=params)
-        data = _json(resp)
+        data = json_body(resp)
         if resp.status_code >= 400:
             raise _engine_error(resp.status_code, data, f"vLLM {path}")
         return data
 
-
-def _json(resp: httpx.Response) -> Any:
-    try:
-        return resp.json()
-    except ValueError:
-        return resp.text
 
 
 def _engine_error(status: int, body: Any, what: str = "vLLM") -> ContractError:
@@ -273,9 +269,3 @@ def _engine_error(status: int, body: Any, what: str = "vLLM") -> ContractError:
         return ContractError(400, f"{what}: {message}")
     return ContractError(500, f"{what} answered {status}: {message}", type="engine_error")
 
-
-def _nbytes(dtype: str, shape: list[int]) -> int:
-    n = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    for s in shape:
-        n *= s
-    return n

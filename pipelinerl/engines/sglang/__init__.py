@@ -1,0 +1,83 @@
+"""SGLang behind the inference contract: `pipelinerl serve --engine sglang --model PATH` (or `engine.kind:
+sglang` in a recipe).
+
+SGLang's own server runs on a private loopback port and this package's thin front (`front.py`) serves the
+contract over SGLang's native endpoints; no code of ours runs inside SGLang. SGLang has no CPU build on PyPI:
+this is for GPU machines (`pip install -e ".[sglang]"`). Extra `sglang.launch_server` arguments can be given in
+the PIPELINERL_SGLANG_ARGS environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import httpx
+
+from pipelinerl.procs import free_port
+
+EXTRA_ARGS_ENV = "PIPELINERL_SGLANG_ARGS"
+
+
+def sglang_command(args: argparse.Namespace, port: int) -> list[str]:
+    """The SGLang server's command line. The radix (prefix) cache is off: after an update, a cached prefix
+    computed under the old weights would be reused."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", args.dtype, "--context-length", str(args.max_model_len),
+            "--max-running-requests", str(args.max_running_seqs), "--disable-radix-cache",
+            "--log-level", args.log_level, *shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the SGLang server exited with code {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the SGLang server at {url} was not healthy after {timeout_s:g}s")
+        time.sleep(0.5)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Start SGLang, wait until it is healthy, then serve the contract on `args.host:args.port`."""
+    import uvicorn
+
+    from pipelinerl.engines.external import load_tokenizer, model_facts
+    from pipelinerl.engines.server import create_app
+    from pipelinerl.engines.sglang.front import SGLangBackend, SGLangSettings
+
+    try:
+        import sglang  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"--engine sglang needs SGLang ({e}); it has no CPU build: install it on a GPU machine "
+                         "with `pip install -e '.[sglang]'`") from None
+    port = free_port()
+    proc = subprocess.Popen(sglang_command(args, port))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        settings = SGLangSettings(max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs,
+                                  initial_version=args.initial_version)
+        backend = SGLangBackend(url, args.model, model_facts(args.model, args.dtype), settings,
+                                load_tokenizer(args.model))
+        wait_healthy(url, proc)
+        app = create_app(backend, title="pipelinerl SGLang engine")
+        app.router.on_shutdown.append(backend.aclose)
+        print(f"pipelinerl sglang engine serving {args.model} on http://{args.host}:{args.port} (SGLang on {url})",
+              flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
