@@ -26,7 +26,7 @@ from pipelinerl.contracts.inference import (
     ParamSpec,
     SamplingParams,
 )
-from pipelinerl.engines.server import ContractError
+from pipelinerl.engines.server import ContractError, render_metrics
 
 
 @dataclass
@@ -224,11 +224,7 @@ class FrontMetrics:
             ("last_weight_update_switch_seconds", "gauge", self.last_update_switch_seconds,
              "generation pause for the last update"),
         ]
-        out = []
-        for name, kind, value, help_text in rows:
-            out += [f"# HELP pipelinerl_{name} {help_text}", f"# TYPE pipelinerl_{name} {kind}",
-                    f"pipelinerl_{name} {float(value)}"]
-        return "\n".join(out) + "\n"
+        return render_metrics(rows)
 
 
 def json_body(resp) -> Any:
@@ -250,3 +246,21 @@ def repo_root() -> Path:
     """The directory holding the `pipelinerl` package, for a child process's PYTHONPATH (the package may
     be used from a checkout rather than installed)."""
     return Path(__file__).resolve().parents[2]
+
+
+def wait_server_healthy(name: str, url: str, proc, timeout_s: float, poll_s: float = 0.5) -> None:
+    """Poll `url/health` of an engine server we started; exit with a clear message if it dies or stays down."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the {name} server exited with code {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the {name} server at {url} was not healthy after {timeout_s:g}s")
+        time.sleep(poll_s)

@@ -59,6 +59,15 @@ class EngineBackend(Protocol):
     def metrics_text(self) -> str: ...
 
 
+def render_metrics(rows: list[tuple[str, str, float, str]]) -> str:
+    """Prometheus text format for (name, kind, value, help) rows; every engine exports the same names."""
+    out = []
+    for name, kind, value, help_text in rows:
+        out += [f"# HELP pipelinerl_{name} {help_text}", f"# TYPE pipelinerl_{name} {kind}",
+                f"pipelinerl_{name} {float(value)}"]
+    return "\n".join(out) + "\n"
+
+
 def _error(status: int, type: str, message: str, field: str | None = None) -> JSONResponse:
     body = {"error": {"type": type, "message": message, "field": field}}
     return JSONResponse(body, status_code=status)

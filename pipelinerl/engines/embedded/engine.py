@@ -40,7 +40,7 @@ from pipelinerl.contracts.inference import (
 )
 from pipelinerl.engines.embedded.model_runner import copy_slot, make_runner
 from pipelinerl.engines.embedded.sampling import sample
-from pipelinerl.engines.server import ContractError
+from pipelinerl.engines.server import ContractError, render_metrics
 from pipelinerl.weight_sync import (
     DTYPE_NAMES,
     DTYPES,
@@ -365,11 +365,7 @@ class EmbeddedEngine:
             ("last_weight_update_switch_seconds", "gauge", m.last_update_switch_seconds,
              "decode pause for the last update"),
         ]
-        out = []
-        for name, kind, value, help_text in rows:
-            out += [f"# HELP pipelinerl_{name} {help_text}", f"# TYPE pipelinerl_{name} {kind}",
-                    f"pipelinerl_{name} {float(value)}"]
-        return "\n".join(out) + "\n"
+        return render_metrics(rows)
 
     def shutdown(self) -> None:
         with self._cv:

@@ -14,9 +14,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
-
-import httpx
 
 from pipelinerl.procs import free_port
 
@@ -33,18 +30,9 @@ def sglang_command(args: argparse.Namespace, port: int) -> list[str]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the SGLang server exited with code {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the SGLang server at {url} was not healthy after {timeout_s:g}s")
-        time.sleep(0.5)
+    from pipelinerl.engines.external import wait_server_healthy
+
+    wait_server_healthy("SGLang", url, proc, timeout_s, poll_s=0.5)
 
 
 def serve(args: argparse.Namespace) -> None:

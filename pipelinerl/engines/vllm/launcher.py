@@ -16,11 +16,8 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
-
-from pipelinerl.engines.external import ModelFacts, repo_root
+from pipelinerl.engines.external import ModelFacts, repo_root, wait_server_healthy
 
 EXTENSION = "pipelinerl.engines.vllm.worker_extension.PipelineRLWorkerExtension"
 # Extra arguments for `vllm serve`, appended last (so they win), e.g. "--gpu-memory-utilization 0.5".
@@ -100,18 +97,7 @@ def start(args: argparse.Namespace, port: int) -> subprocess.Popen:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the vLLM server exited with code {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the vLLM server at {url} was not healthy after {timeout_s:g}s")
-        time.sleep(0.25)
+    wait_server_healthy("vLLM", url, proc, timeout_s, poll_s=0.25)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
