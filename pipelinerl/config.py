@@ -225,6 +225,16 @@ class TaskConfig:
 
 
 @dataclass
+class MetricsConfig:
+    tensorboard: bool = False  # event files in RUN_DIR/tensorboard (needs the `tensorboard` extra)
+    wandb_project: str = ""  # a Weights & Biases project to log to (needs the `wandb` extra); empty = off
+    wandb_mode: str = "online"  # online | offline | disabled
+
+    def __post_init__(self) -> None:
+        _check_choice(self.wandb_mode, ("online", "offline", "disabled"), "metrics.wandb_mode")
+
+
+@dataclass
 class RunConfig:
     run_dir: str = MISSING
     seed: int = 0
@@ -236,6 +246,7 @@ class RunConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         # A step trains on whole groups: advantages are computed within a group.

@@ -10,14 +10,16 @@ new weights into the running engines, and announces the new version on the contr
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from pipelinerl.actor import streams_dir
 from pipelinerl.config import RunConfig, load_config
+from pipelinerl.metrics import MetricsSink
 from pipelinerl.procs import role_arguments
 from pipelinerl.samples import Sample
 from pipelinerl.streams import StreamReader, StreamWriter
@@ -70,6 +72,7 @@ def batch_metrics(batch: list[Sample]) -> dict[str, float]:
 
 def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     run_dir = Path(cfg.run_dir)
+    metrics = MetricsSink(run_dir, cfg.metrics, OmegaConf.to_container(OmegaConf.structured(cfg)))
     trainer = Trainer(cfg.model.path, cfg.trainer, cfg.weight_sync, cfg.model.dtype, cfg.seed)
     position: dict = {}
     ckpt = latest_checkpoint(run_dir)
@@ -85,9 +88,9 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     stale_dropped = position.get("stale_dropped", 0)
     started = time.monotonic() - position.get("elapsed_s", 0.0)
     evaluator = HeldOutEval(cfg, engine_urls)
-    with open(run_dir / "metrics.jsonl", "a") as metrics:
+    try:
         if evaluator.enabled and trainer.version == 0:
-            _write(metrics, evaluator.run(0, time.monotonic() - started, feed.consumed))
+            metrics.write(evaluator.run(0, time.monotonic() - started, feed.consumed))
         last = time.monotonic()
         while trainer.version < cfg.trainer.max_steps:
             batch = feed.take(cfg.trainer.samples_per_step)
@@ -106,14 +109,16 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
                    "stale_dropped": stale_dropped, "stream_corrupt": feed.reader.corrupt,
                    "min_version_in_batch": min(s.oldest_version for s in batch),
                    **batch_metrics(batch), **stats}
-            _write(metrics, row)
+            metrics.write(row)
             if evaluator.enabled and (trainer.version % cfg.trainer.eval_every == 0
                                       or trainer.version == cfg.trainer.max_steps):
-                _write(metrics, evaluator.run(trainer.version, time.monotonic() - started, feed.consumed))
+                metrics.write(evaluator.run(trainer.version, time.monotonic() - started, feed.consumed))
             last = time.monotonic()
             if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0:
                 save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped,
                                                                                             started))
+    finally:
+        metrics.close()
     save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped, started))
     export_hf(trainer, run_dir / "final_model")
     evaluator.close()
@@ -163,11 +168,6 @@ class HeldOutEval:
         return {"step": step, "time": elapsed, "samples_total": samples_total, "eval_accuracy": s["pass@1"],
                 "eval_seconds": time.monotonic() - t0,
                 **{f"eval_{k}": v for k, v in s.items() if k.startswith("pass@")}}
-
-
-def _write(metrics, row: dict) -> None:
-    metrics.write(json.dumps(row) + "\n")
-    metrics.flush()
 
 
 def _position(feed: SampleFeed, stale_dropped: int, started: float) -> dict:

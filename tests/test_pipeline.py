@@ -63,12 +63,19 @@ def test_pipelined_run_updates_engines_in_flight(tmp_path):
 
 
 def test_synchronous_mode_never_trains_on_stale_samples(tmp_path):
-    r = launch(tmp_path / "run", "trainer.max_steps=4", "actor.max_lag=0")
+    r = launch(tmp_path / "run", "trainer.max_steps=4", "actor.max_lag=0", "metrics.tensorboard=true")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert all(row["lag_max"] == 0 and row["stale_dropped"] == 0 for row in rows)
     assert all(row["mixed_version_frac"] == 0 for row in rows)
+    # the same numbers went to TensorBoard
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3, 4]
+    assert [e.value for e in events.Scalars("lag_max")] == [0.0] * 4
 
 
 def test_hanging_and_crashing_reward_checks_are_counted_and_the_run_goes_on(tmp_path):
