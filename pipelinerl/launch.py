@@ -178,6 +178,12 @@ def main(recipe: str, overrides: list[str]) -> int:
     run_dir = Path(cfg.run_dir)
     # `kill` of the launcher stops the run like Ctrl-C: every child is stopped on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
+    done = finished_version(run_dir)
+    if done is not None and done >= cfg.trainer.max_steps:
+        print(f"{run_dir} already holds a finished run (version {done} of trainer.max_steps "
+              f"{cfg.trainer.max_steps}); to train more raise trainer.max_steps, to start over use another run_dir")
+        report(run_dir)
+        return 0
     save_resolved_config(cfg, run_dir)
     model_path = prepare_model(cfg)
     engines = Engines(cfg, model_path, run_dir)
@@ -195,6 +201,14 @@ def main(recipe: str, overrides: list[str]) -> int:
         engines.stop()
     report(run_dir)
     return 0
+
+
+def finished_version(run_dir: Path) -> int | None:
+    """The weight version of the run directory's last checkpoint, if it has one."""
+    from pipelinerl.trainer.checkpoint import STATE_FILE, latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    return json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt is not None else None
 
 
 def report(run_dir: Path) -> None:
