@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def launch(run_dir: Path, overrides: list[str], timeout_s: int = 1800) -> list[dict]:
     cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(RECIPE), f"run_dir={run_dir}",
-           f"engine.base_port={_free_port()}", f"weight_sync.master_port={_free_port()}", *overrides]
+           f"engine.base_port={_free_port()}", *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if r.returncode != 0:

@@ -91,7 +91,7 @@ class SamplingConfig:
 class WeightSyncConfig:
     backend: str = "gloo"  # nccl on GPUs
     master_address: str = "127.0.0.1"
-    master_port: int = 29600
+    master_port: int = 0  # 0: the trainer picks a free port when it forms the group (engines learn it over HTTP)
     group_name: str = "weight_update"
     # 0: one broadcast per tensor. 4 MB measured fastest on CPU/gloo (bench/trainer_weight_sync.py): tensors of
     # that size or more go out alone, with no packing copy, and the small ones are still grouped.
@@ -100,7 +100,7 @@ class WeightSyncConfig:
 
     def __post_init__(self) -> None:
         _check_choice(self.backend, BACKENDS, "weight_sync.backend")
-        _check(1 <= self.master_port <= 65535, "weight_sync.master_port", "must be a TCP port")
+        _check(0 <= self.master_port <= 65535, "weight_sync.master_port", "must be a TCP port, or 0 for any free one")
         _check(self.bucket_mb >= 0, "weight_sync.bucket_mb", "must be >= 0")
         _check(self.timeout_s > 0, "weight_sync.timeout_s", "must be > 0")
 

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM
 from pipelinerl.config import TrainerConfig, WeightSyncConfig
 from pipelinerl.contracts.trainer import BroadcastStats
 from pipelinerl.engines.client import EngineClient, init_group_on_engines, push_weights
+from pipelinerl.procs import free_port
 from pipelinerl.rl.kl import ReferenceResetPolicy, kl_estimate, reset_reference
 from pipelinerl.rl.losses import (
     aggregate,
@@ -275,10 +276,12 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return None
         s = self.sync_cfg
+        # Picked now rather than at launch: a port chosen minutes earlier may be taken by the time we bind it.
+        port = s.master_port or free_port()
         world, futures = init_group_on_engines([self._client(u) for u in engine_urls], s.master_address,
-                                               s.master_port, s.backend, s.group_name, s.timeout_s,
+                                               port, s.backend, s.group_name, s.timeout_s,
                                                ranks_per_engine)
-        group = init_weight_update_group(s.master_address, s.master_port, 0, world, s.backend, s.group_name,
+        group = init_weight_update_group(s.master_address, port, 0, world, s.backend, s.group_name,
                                          s.timeout_s)
         for f in futures:
             f.result()
