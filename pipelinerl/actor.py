@@ -29,14 +29,11 @@ from pipelinerl.rewards import RewardPool, RewardResult
 from pipelinerl.rewards.pool import resolve
 from pipelinerl.rewards.shaping import shape_reward
 from pipelinerl.samples import Sample
-from pipelinerl.streams import StreamReader, StreamWriter
+from pipelinerl.streams import open_reader, open_writer
+from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import reward_item, task_from_config
 
 log = logging.getLogger("pipelinerl.actor")
-
-
-def streams_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "streams"
 
 
 class Actor:
@@ -49,8 +46,8 @@ class Actor:
         self.reward_fn = resolve(cfg.task.reward_fn) if cfg.task.reward_fn else self.task.reward_fn
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.engines = [AsyncEngineClient(u) for u in engine_urls]
-        self.samples = StreamWriter(streams_dir(self.run_dir) / "samples", "actor")
-        self.control = StreamReader(streams_dir(self.run_dir) / "control")
+        self.samples = open_writer(cfg.streams, self.run_dir, "samples", "actor")
+        self.control = open_reader(cfg.streams, self.run_dir, "control")
         self.state_path = self.run_dir / "actor_state.json"
         state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.problems = self.task.train_problems()

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -17,6 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 BACKENDS = ("gloo", "nccl")
 ENGINES = ("embedded", "vllm", "sglang")
 DTYPES = ("float32", "bfloat16", "float16")
+STREAM_BACKENDS = ("files", "redis")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
 class ConfigError(ValueError):
@@ -235,6 +238,20 @@ class MetricsConfig:
 
 
 @dataclass
+class StreamsConfig:
+    # files: RUN_DIR/streams on a filesystem that may be shared between nodes; redis: Redis Streams at redis_url
+    backend: str = "files"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = ""  # key prefix; empty: pipelinerl:<run_dir name>-<hash of its absolute path>
+
+    def __post_init__(self) -> None:
+        _check_choice(self.backend, STREAM_BACKENDS, "streams.backend")
+        scheme = urlsplit(self.redis_url).scheme
+        _check(scheme in REDIS_SCHEMES, "streams.redis_url",
+               f"must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}")
+
+
+@dataclass
 class RunConfig:
     run_dir: str = MISSING
     seed: int = 0
@@ -247,6 +264,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    streams: StreamsConfig = field(default_factory=StreamsConfig)
 
     def __post_init__(self) -> None:
         # A step trains on whole groups: advantages are computed within a group.

@@ -17,12 +17,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pipelinerl.actor import streams_dir
 from pipelinerl.config import RunConfig, load_config
 from pipelinerl.metrics import MetricsSink
 from pipelinerl.procs import role_arguments
 from pipelinerl.samples import Sample
-from pipelinerl.streams import StreamReader, StreamWriter
+from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.trainer import Trainer
 from pipelinerl.trainer.checkpoint import checkpoint_dir, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -32,8 +31,8 @@ log = logging.getLogger("pipelinerl.train")
 class SampleFeed:
     """Samples in stream order, resumable by count."""
 
-    def __init__(self, run_dir: Path, skip: int):
-        self.reader = StreamReader(streams_dir(run_dir) / "samples")
+    def __init__(self, cfg: RunConfig, skip: int):
+        self.reader = open_reader(cfg.streams, cfg.run_dir, "samples")
         self.buffer: deque[dict] = deque()
         self.consumed = 0
         while self.consumed < skip:  # resume: the first `skip` samples were trained on before
@@ -82,9 +81,9 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     group = trainer.connect_engines(engine_urls)
     if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights
         trainer.broadcast_weights(group, engine_urls)
-    control = StreamWriter(streams_dir(run_dir) / "control", "trainer")
+    control = open_writer(cfg.streams, run_dir, "control", "trainer")
     control.write({"kind": "version", "version": trainer.version})
-    feed = SampleFeed(run_dir, position.get("consumed_samples", 0))
+    feed = SampleFeed(cfg, position.get("consumed_samples", 0))
     stale_dropped = position.get("stale_dropped", 0)
     started = time.monotonic() - position.get("elapsed_s", 0.0)
     evaluator = HeldOutEval(cfg, engine_urls)

@@ -32,6 +32,8 @@ def test_recipe_merges_onto_defaults_and_overrides_win(tmp_path):
     ("run_dir: a\nmodel: {path: m}\ntrainer: {lr: fast}\n", [], ["trainer.lr", "recipe.yaml", "fast"]),
     ("run_dir: a\nmodel: {path: m}\n", ["trainer.max_steps=many"], ["trainer.max_steps", "command line"]),
     ("run_dir: a\nmodel: {path: m}\n", ["weight_sync.backend=mpi"], ["weight_sync.backend", "gloo"]),
+    ("run_dir: a\nmodel: {path: m}\n", ["streams.backend=kafka"], ["streams.backend", "files, redis"]),
+    ("run_dir: a\nmodel: {path: m}\n", ["streams.redis_url=localhost:6379"], ["streams.redis_url", "redis://"]),
     ("run_dir: a\nmodel: {path: m}\n", ["trainer.lr=-1"], ["trainer.lr", "> 0"]),
     ("run_dir: a\n", [], ["model.path", "missing"]),
     ("model: {path: m}\n", [], ["run_dir", "missing"]),

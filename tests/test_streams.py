@@ -2,7 +2,17 @@
 
 import multiprocessing as mp
 
-from pipelinerl.streams import StreamReader, StreamWriter, encode_record, load_position, save_position
+from pipelinerl.config import StreamsConfig
+from pipelinerl.streams import (
+    StreamReader,
+    StreamWriter,
+    encode_record,
+    load_position,
+    open_reader,
+    open_writer,
+    reset_stream,
+    save_position,
+)
 
 
 def test_records_from_several_writers_arrive_whole(tmp_path):
@@ -69,3 +79,19 @@ def test_records_cross_processes(tmp_path):
             break
     p.join()
     assert got == list(range(50))
+
+
+def test_the_default_backend_is_files_under_the_run_dir(tmp_path):
+    cfg = StreamsConfig()
+    assert cfg.backend == "files"
+    with open_writer(cfg, tmp_path, "samples", "actor") as w:
+        assert isinstance(w, StreamWriter)
+        w.write({"i": 1})
+    assert (tmp_path / "streams" / "samples" / "actor.jsonl").exists()  # the layout runs already have
+    reader = open_reader(cfg, tmp_path, "samples")
+    assert isinstance(reader, StreamReader) and reader.read() == [{"i": 1}]
+    resumed = open_reader(cfg, tmp_path, "samples", reader.position)
+    assert resumed.read() == []
+    reset_stream(cfg, tmp_path, "samples")
+    assert not (tmp_path / "streams" / "samples").exists()
+    reset_stream(cfg, tmp_path, "samples")  # resetting a stream that is not there is fine
