@@ -26,15 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
 
 
-def _free_port() -> int:
-    from pipelinerl.procs import free_port
-
-    return free_port()
-
-
 def launch(run_dir: Path, overrides: list[str], timeout_s: int = 1800) -> list[dict]:
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(RECIPE), f"run_dir={run_dir}",
-           f"engine.base_port={_free_port()}", *overrides]
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(RECIPE), f"run_dir={run_dir}", *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if r.returncode != 0:

@@ -5,10 +5,11 @@
 Flow: a train problem -> one /v1/generate with n = group_size on the least-loaded engine -> the reward pool
 scores every attempt -> the whole group is appended to the samples stream (or dropped and counted when dynamic
 sampling is on and all its rewards are equal). Generation never waits for training, except where `max_lag`
-says a new group would reach the trainer too stale: a group started now, behind the samples already streamed
-or in flight, is consumed at trainer step floor((streamed + in_flight) / samples_per_step); it may start only
-if that step is at most `max_lag` versions ahead of the weights the engines hold now. With `max_lag: 0` this
-is synchronous RL: one batch per version, generated, trained on, then the next.
+says a new group would reach the trainer too stale: a group started now waits behind the samples streamed or in
+flight that the trainer has not taken yet (its control messages say how many it took), so it is trained on
+floor(queued / samples_per_step) versions after the weights the engines hold now; it may start only if that is
+at most `max_lag`. With `max_lag: 0` this is synchronous RL: one batch per version, generated, trained on,
+then the next.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Actor:
         self.streamed = state.get("streamed_samples", 0)  # samples the trainer will read, in order
         self.in_flight = 0  # samples being generated or scored
         self.trainer_version = 0
+        self.trainer_consumed = 0  # samples the trainer has taken from the stream (its control messages say)
         self.done = False
         self.counts = {"groups_started": 0, "groups_streamed": 0, "groups_dropped_equal_rewards": 0,
                        "groups_failed": 0, "samples_streamed": self.streamed}
@@ -92,11 +94,14 @@ class Actor:
         self.samples.close()
 
     def _may_start_group(self) -> bool:
-        g, b = self.cfg.sampling.group_size, self.cfg.trainer.samples_per_step
-        consumed_at_step = (self.streamed + self.in_flight) // b
-        if consumed_at_step >= self.cfg.trainer.max_steps:
-            return False  # enough samples for the whole run are streamed or on their way
-        return consumed_at_step - self.trainer_version <= self.cfg.actor.max_lag and g > 0
+        # The samples streamed or in flight that the trainer has not taken yet go before a group started now:
+        # it is consumed that many full steps after the trainer's current version. Counting from what the
+        # trainer says it consumed (not from the step number) keeps this right when it drops stale samples.
+        queued = self.streamed + self.in_flight - self.trainer_consumed
+        steps_ahead = max(0, queued) // self.cfg.trainer.samples_per_step
+        if self.trainer_version + steps_ahead >= self.cfg.trainer.max_steps:
+            return False  # enough samples for the rest of the run are streamed or on their way
+        return steps_ahead <= self.cfg.actor.max_lag
 
     def _take_problem(self) -> dict:
         index = self.order[self.next_problem % len(self.order)]
@@ -109,6 +114,7 @@ class Actor:
         for msg in self.control.read():
             if msg.get("kind") == "version":
                 self.trainer_version = max(self.trainer_version, int(msg["version"]))
+                self.trainer_consumed = max(self.trainer_consumed, int(msg.get("consumed", 0)))
             elif msg.get("kind") == "done":
                 self.done = True
 

@@ -56,9 +56,13 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     kind: str = "embedded"
+    # engines per node, one GPU each on GPU machines; 0 there fills the node: one engine per GPU the trainer
+    # does not use
     num_engines: int = 1
+    # bind address; multi-node runs need one that node 0 can reach (0.0.0.0 or the node's address)
     host: str = "127.0.0.1"
-    base_port: int = 8100  # engine i listens on base_port + i
+    # 0: each engine binds a free port and reports it (no clashes between runs); N: engine i listens on N + i
+    base_port: int = 0
     max_running_seqs: int = 64  # sequences decoded together; more wait in the queue
     max_batch_tokens: int = 16384  # KV-cache tokens held by running sequences
     max_model_len: int = 512  # prompt + generated tokens per sequence
@@ -66,8 +70,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_choice(self.kind, ENGINES, "engine.kind")
-        _check(self.num_engines >= 1, "engine.num_engines", "must be at least 1")
-        _check(1 <= self.base_port <= 65535, "engine.base_port", "must be a TCP port")
+        _check(self.num_engines >= 0, "engine.num_engines", "must be >= 0 (0: fill the node's free GPUs)")
+        _check(0 <= self.base_port <= 65535, "engine.base_port", "must be a TCP port, or 0 for any free one")
         _check(self.max_running_seqs >= 1, "engine.max_running_seqs", "must be at least 1")
         _check(self.max_model_len >= 2, "engine.max_model_len", "must be at least 2")
         _check(self.max_batch_tokens >= self.max_model_len, "engine.max_batch_tokens",
@@ -132,7 +136,13 @@ class TrainerConfig:
     eval_every: int = 0  # held-out evaluation every N steps (and before the first and after the last); 0 = off
     eval_k: int = 4  # samples per held-out problem (pass@1 is averaged over them)
     eval_greedy: bool = False  # one greedy sample per problem instead
-    threads: int = 1
+    threads: int = 1  # CPU threads per trainer process
+    # trainer processes (accelerate): one per GPU on GPU machines, placed on node 0's first GPUs; on CPU,
+    # more than 1 is data parallel over gloo
+    num_processes: int = 1
+    # an accelerate config (launch/accelerate/*.yaml: DeepSpeed ZeRO-3, FSDP) used when num_processes > 1;
+    # empty: plain data parallel (DDP)
+    accelerate_config: str = ""
     temperature: float = 1.0  # the sampling temperature: trainer log-probs use logits / temperature, as the engine
     mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU | no | bf16
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (GPU)
@@ -153,6 +163,9 @@ class TrainerConfig:
         _check(self.temperature > 0, "trainer.temperature", "must be > 0 (log-probs of greedy decoding are undefined)")
         _check_choice(self.mixed_precision, ("auto", "no", "bf16"), "trainer.mixed_precision")
         _check(self.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be at least 1")
+        _check(self.num_processes >= 1, "trainer.num_processes", "must be at least 1")
+        _check(self.accelerate_config == "" or Path(self.accelerate_config).is_file(), "trainer.accelerate_config",
+               f"no such file {self.accelerate_config!r} (see launch/accelerate/)")
 
 
 @dataclass

@@ -4,22 +4,39 @@ It resolves the config into the run directory, prepares the model, starts the en
 healthy, then starts the trainer and the actor, each as its own process, and watches all of them: if one dies
 the run stops with the cause and the child's last log lines; Ctrl-C stops every child. A rerun in the same
 run directory resumes from the last checkpoint.
+
+Multi-node (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT in the environment; `pipelinerl.placement` says what runs
+where): every node runs this launcher with the same recipe; node 0 does all of the above, the other nodes only
+start engines and hand their URLs to node 0 through `pipelinerl.nodes`.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
 
 from pipelinerl.config import ConfigError, RunConfig, load_config, save_resolved_config
 from pipelinerl.engines.client import EngineClient
-from pipelinerl.procs import engine_command, start_process, stop_process, tail
+from pipelinerl.nodes import NodeLost, NodeRendezvous
+from pipelinerl.placement import (
+    EngineSlot,
+    NodeEnv,
+    NodePlan,
+    advertised_host,
+    detect_gpus,
+    gpu_env,
+    is_loopback,
+    plan_node,
+)
+from pipelinerl.procs import engine_command, free_port, start_process, stop_process, tail, tool_command, wait_for_port
+from pipelinerl.streams import StreamBackendError, check_backend, reset_stream
 
 
 def prepare_model(cfg: RunConfig) -> Path:
@@ -63,34 +80,50 @@ def prepare_model(cfg: RunConfig) -> Path:
 
 
 class Engines:
-    """The engine child processes of a run; `check()` raises with the log tail if one died."""
+    """The engine child processes on this node; `check()` raises with the log tail if one died."""
 
-    def __init__(self, cfg: RunConfig, model_path: Path, run_dir: Path):
-        self.procs, self.clients, self.logs = [], [], []
+    def __init__(self, cfg: RunConfig, model_path: Path, slots: Sequence[EngineSlot], log_dir: Path,
+                 advertise_host: str | None = None):
         e = cfg.engine
-        for i in range(e.num_engines):
-            port = e.base_port + i
-            log = run_dir / "logs" / f"engine{i}.log"
+        self.host = advertise_host or e.host
+        self.names = [f"engine{s.index}" for s in slots]
+        self.logs = [log_dir / f"{name}.log" for name in self.names]
+        self.port_files = [log_dir / f"{name}.port" for name in self.names]
+        self.procs, self.clients = [], []
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        for slot, log, port_file in zip(slots, self.logs, self.port_files):
+            port_file.unlink(missing_ok=True)
             extra = ["--max-running-seqs", str(e.max_running_seqs), "--max-batch-tokens", str(e.max_batch_tokens),
                      "--max-model-len", str(e.max_model_len), "--threads", str(e.threads),
-                     "--dtype", cfg.model.dtype]
-            self.procs.append(start_process(engine_command(str(model_path), port, e.host, e.kind, extra), log,
-                                            threads=e.threads))
-            self.clients.append(EngineClient(f"http://{e.host}:{port}"))
-            self.logs.append(log)
+                     "--dtype", cfg.model.dtype, "--port-file", str(port_file)]
+            cmd = engine_command(str(model_path), slot.port, e.host, e.kind, extra)
+            self.procs.append(start_process(cmd, log, threads=e.threads, env=slot.env(visible)))
 
-    def wait_healthy(self, timeout_s: float = 300) -> None:
-        for i, (client, proc) in enumerate(zip(self.clients, self.procs)):
+    @property
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in zip(self.names, self.procs)}
+
+    @property
+    def urls(self) -> list[str]:
+        return [c.url for c in self.clients]
+
+    def wait_healthy(self, timeout_s: float = 900) -> None:
+        """Learn each engine's port (it binds a free one when engine.base_port is 0), then wait for health."""
+        deadline = time.monotonic() + timeout_s
+        for name, proc, log, port_file in zip(self.names, self.procs, self.logs, self.port_files):
             try:
-                client.wait_healthy(timeout_s, process=proc)
+                port = wait_for_port(port_file, proc, deadline - time.monotonic())
+                client = EngineClient(f"http://{self.host}:{port}")
+                self.clients.append(client)
+                client.wait_healthy(max(1.0, deadline - time.monotonic()), process=proc)
             except (RuntimeError, TimeoutError) as e:
-                raise RuntimeError(f"engine{i}: {e}\n--- last lines of {self.logs[i]} ---\n{tail(self.logs[i])}") from e
+                raise RuntimeError(f"{name}: {e}\n--- last lines of {log} ---\n{tail(log)}") from e
 
     def check(self) -> None:
-        for i, proc in enumerate(self.procs):
+        for name, proc, log in zip(self.names, self.procs, self.logs):
             if proc.poll() is not None:
-                raise RuntimeError(f"engine{i} exited with code {proc.returncode}\n--- last lines of "
-                                   f"{self.logs[i]} ---\n{tail(self.logs[i])}")
+                raise RuntimeError(f"{name} exited with code {proc.returncode}\n--- last lines of "
+                                   f"{log} ---\n{tail(log)}")
 
     def stop(self) -> None:
         for c in self.clients:
@@ -119,25 +152,49 @@ def _new_rows(path: Path, offset: int) -> tuple[list[dict], int]:
     return rows, offset + end
 
 
-def run_pipeline(cfg: RunConfig, engines: Engines, run_dir: Path) -> None:
-    """Start the trainer and the actor beside the engines, show progress, stop everything at the end."""
-    urls = ",".join(c.url for c in engines.clients)
+def trainer_command(cfg: RunConfig, config: str, urls: str, gpus: int) -> list[str]:
+    """One process, or `trainer.num_processes` under accelerate (GPUs, or an accelerate config such as
+    DeepSpeed ZeRO-3) or torchrun (data parallel on CPU, where `accelerate launch` would need mpirun)."""
+    t = cfg.trainer
+    role = ["-m", "pipelinerl.train", config, "--engines", urls]
+    if t.num_processes == 1 and not t.accelerate_config:
+        return [sys.executable, *role]
+    if not gpus and not t.accelerate_config:
+        # --standalone: torchrun's own rendezvous on a port it picks itself
+        return tool_command("torch.distributed.run", "--standalone", "--nproc-per-node", str(t.num_processes),
+                            *role)
+    launch = tool_command("accelerate.commands.launch", "--num_processes", str(t.num_processes),
+                          "--num_machines", "1", "--main_process_port", str(free_port()))
+    if t.accelerate_config:
+        launch += ["--config_file", t.accelerate_config]
+    elif t.num_processes > 1:
+        launch += ["--multi_gpu"]
+    return [*launch, *role]
+
+
+def run_pipeline(cfg: RunConfig, urls: list[str], run_dir: Path, plan: NodePlan, check: Callable[[], None],
+                 engine_pids: dict[str, int]) -> None:
+    """Start the trainer and the actor beside the engines, show progress, stop everything at the end.
+    `check` raises when an engine (on any node) is gone."""
     config = str(run_dir / "config.yaml")
-    shutil.rmtree(run_dir / "streams" / "control", ignore_errors=True)  # control messages are per launch
+    reset_stream(cfg.streams, run_dir, "control")  # control messages are per launch
+    joined = ",".join(urls)
+    gpus = plan.trainer_gpus
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    no_gpu = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}  # the actor and reward workers never need one
     roles = {
-        "trainer": ([sys.executable, "-m", "pipelinerl.train", config, "--engines", urls], cfg.trainer.threads),
-        "actor": ([sys.executable, "-m", "pipelinerl.actor", config, "--engines", urls], 1),
+        "trainer": (trainer_command(cfg, config, joined, len(gpus)), cfg.trainer.threads, gpu_env(gpus, visible)),
+        "actor": ([sys.executable, "-m", "pipelinerl.actor", config, "--engines", joined], 1, no_gpu),
     }
-    children = {name: start_process(cmd, run_dir / "logs" / f"{name}.log", threads=threads)
-                for name, (cmd, threads) in roles.items()}
-    pids = {name: p.pid for name, p in children.items()} | {f"engine{i}": p.pid for i, p in enumerate(engines.procs)}
-    (run_dir / "pids.json").write_text(json.dumps(pids))
+    children = {name: start_process(cmd, run_dir / "logs" / f"{name}.log", threads=threads, env=env)
+                for name, (cmd, threads, env) in roles.items()}
+    (run_dir / "pids.json").write_text(json.dumps({name: p.pid for name, p in children.items()} | engine_pids))
     metrics_path = run_dir / "metrics.jsonl"
     _, offset = _new_rows(metrics_path, 0)  # a resumed run: show only new steps
     bar = tqdm(total=cfg.trainer.max_steps, desc="steps", unit="step", mininterval=1.0, dynamic_ncols=True)
     try:
         while True:
-            engines.check()
+            check()
             for name, proc in children.items():
                 code = proc.poll()
                 if code is not None and code != 0:  # the actor exits 0 on the trainer's "done"
@@ -155,8 +212,12 @@ def run_pipeline(cfg: RunConfig, engines: Engines, run_dir: Path) -> None:
                 bar.refresh()
             if children["trainer"].poll() == 0:
                 children["actor"].wait(timeout=60)  # it stops on the trainer's "done" message
-                for i, client in enumerate(engines.clients):  # what the engines saw, for the record
-                    (run_dir / f"engine{i}_metrics.json").write_text(json.dumps(client.metrics(), indent=1))
+                for i, url in enumerate(urls):  # what the engines saw, for the record
+                    client = EngineClient(url)
+                    try:
+                        (run_dir / f"engine{i}_metrics.json").write_text(json.dumps(client.metrics(), indent=1))
+                    finally:
+                        client.close()
                 return
             time.sleep(0.5)
     finally:
@@ -172,35 +233,133 @@ def _interrupt(signum: int, frame: object) -> None:
 def main(recipe: str, overrides: list[str]) -> int:
     try:
         cfg = load_config(recipe, overrides)
+        node = NodeEnv.from_environ()
+        plan = plan_node(cfg, node, detect_gpus())
     except ConfigError as e:
         print(f"pipelinerl: config error: {e}", file=sys.stderr)
         return 2
-    run_dir = Path(cfg.run_dir)
+    # The node's place in the run is read; the children must not take it for their own (a trainer process that
+    # saw WORLD_SIZE=2 would wait for a second trainer rank that never comes).
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(var, None)
     # `kill` of the launcher stops the run like Ctrl-C: every child is stopped on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
-    done = finished_version(run_dir)
-    if done is not None and done >= cfg.trainer.max_steps:
-        print(f"{run_dir} already holds a finished run (version {done} of trainer.max_steps "
-              f"{cfg.trainer.max_steps}); to train more raise trainer.max_steps, to start over use another run_dir")
-        report(run_dir)
-        return 0
-    save_resolved_config(cfg, run_dir)
-    model_path = prepare_model(cfg)
-    engines = Engines(cfg, model_path, run_dir)
     try:
-        print(f"starting {cfg.engine.num_engines} {cfg.engine.kind} engine(s); logs in {run_dir / 'logs'}")
-        engines.wait_healthy()
-        run_pipeline(cfg, engines, run_dir)
+        if node.rank > 0:
+            return run_engine_node(cfg, plan)
+        return run_main_node(cfg, plan)
     except KeyboardInterrupt:
         print("interrupted; all processes of the run stopped", file=sys.stderr)
         return 130
-    except RuntimeError as e:
-        print(f"pipelinerl: run failed: {e}", file=sys.stderr)
-        return 1
+
+
+def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
+    """Node 0 (the only node of a single-node run): model, engines, trainer, actor, progress, report."""
+    run_dir = Path(cfg.run_dir)
+    node = plan.node
+    if node.multi_node and is_loopback(cfg.weight_sync.master_address) and not is_loopback(node.master_addr):
+        cfg.weight_sync.master_address = node.master_addr  # engines on other nodes join the trainer's group there
+    try:
+        check_backend(cfg.streams)  # an unreachable Redis stops the run before any process starts
+    except StreamBackendError as e:
+        print(f"pipelinerl: {e}", file=sys.stderr)
+        return 2
+    rendezvous = NodeRendezvous(node) if node.multi_node else None
+    ok = False
+    try:
+        done = finished_version(run_dir)
+        if done is not None and done >= cfg.trainer.max_steps:
+            print(f"{run_dir} already holds a finished run (version {done} of trainer.max_steps "
+                  f"{cfg.trainer.max_steps}); to train more raise trainer.max_steps, to start over use another "
+                  "run_dir")
+            report(run_dir)
+            ok = True
+            return 0
+        save_resolved_config(cfg, run_dir)
+        try:
+            model_path = prepare_model(cfg)
+        except ConfigError as e:
+            print(f"pipelinerl: config error: {e}", file=sys.stderr)
+            return 2
+        if rendezvous:
+            rendezvous.model_ready(str(model_path))
+        print(plan.describe())
+        engines = Engines(cfg, model_path, plan.engines, run_dir / "logs")
+        try:
+            print(f"starting {len(plan.engines)} {cfg.engine.kind} engine(s); logs in {run_dir / 'logs'}")
+            engines.wait_healthy()
+            urls, check = engines.urls, engines.check
+            if rendezvous:
+                urls = rendezvous.gather_engines(urls, engines.check)
+                print(f"engines of all {node.world_size} nodes: {', '.join(urls)}")
+
+                def check() -> None:
+                    engines.check()
+                    rendezvous.raise_if_failed()
+            run_pipeline(cfg, urls, run_dir, plan, check, engine_pids=engines.pids)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"pipelinerl: run failed: {e}", file=sys.stderr)
+            return 1
+        finally:
+            engines.stop()
+        report(run_dir)
+        ok = True
+        return 0
     finally:
-        engines.stop()
-    report(run_dir)
-    return 0
+        if rendezvous:
+            rendezvous.finish(ok)
+
+
+class RunOver(Exception):
+    def __init__(self, status: str):
+        self.status = status
+
+
+def run_engine_node(cfg: RunConfig, plan: NodePlan) -> int:
+    """Nodes 1..WORLD_SIZE-1 of a multi-node run: serve engines to node 0 until it says the run is over."""
+    node = plan.node
+    log_dir = Path(cfg.run_dir) / "logs" / f"node{node.rank}"
+    try:
+        rendezvous = NodeRendezvous(node)
+    except NodeLost as e:
+        print(f"pipelinerl: {e}", file=sys.stderr)
+        return 1
+
+    def stop_when_over() -> None:
+        status = rendezvous.finished()
+        if status is not None:
+            raise RunOver(status)
+
+    try:
+        model_path = rendezvous.wait_model(stop_when_over)
+        host = advertised_host(cfg.engine.host, node.master_addr, node.master_port)
+        print(plan.describe())
+        engines = Engines(cfg, Path(model_path), plan.engines, log_dir, advertise_host=host)
+        try:
+            try:
+                engines.wait_healthy()
+            except RuntimeError as e:
+                rendezvous.fail(str(e))
+                raise
+            rendezvous.publish_engines(engines.urls)
+            (log_dir / "pids.json").write_text(json.dumps(engines.pids))
+            print(f"node {node.rank}: engines {', '.join(engines.urls)} serve node 0; logs in {log_dir}")
+            while True:
+                try:
+                    engines.check()
+                except RuntimeError as e:
+                    rendezvous.fail(str(e))
+                    raise
+                stop_when_over()
+                time.sleep(0.5)
+        finally:
+            engines.stop()
+    except RunOver as over:
+        print(f"node {node.rank}: the run is over ({over.status}); engines stopped")
+        return 0 if over.status == "ok" else 1
+    except (NodeLost, RuntimeError, TimeoutError) as e:
+        print(f"pipelinerl: node {node.rank} failed: {e}", file=sys.stderr)
+        return 1
 
 
 def finished_version(run_dir: Path) -> int | None:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,6 +65,18 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
         proc.wait(timeout=timeout_s)
 
 
+def wait_for_port(port_file: str | Path, proc: subprocess.Popen, timeout_s: float) -> int:
+    """The port a server started with `--port-file` reports once it listens; raises if it exits or times out."""
+    path, deadline = Path(port_file), time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with code {proc.returncode} before listening")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not listening after {timeout_s:g}s")
+        time.sleep(0.1)
+    return int(path.read_text())
+
+
 def tail(path: str | Path, lines: int = 20) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
@@ -86,3 +99,17 @@ def role_arguments(role: str, description: str, argv: list[str] | None = None):
     logging.basicConfig(level="INFO", format=f"%(asctime)s {role} %(levelname)s %(message)s")
     args.engines = args.engines.split(",")
     return args
+
+
+def tool_command(module: str, *args: str) -> list[str]:
+    """`python -m MODULE ARGS` for a third-party launcher (torchrun, accelerate) that should die with the
+    launcher like our own roles do: it goes through this module, which sets that up and then runs MODULE."""
+    return [sys.executable, "-m", "pipelinerl.procs", module, *args]
+
+
+if __name__ == "__main__":
+    import runpy
+
+    die_with_parent()
+    module, sys.argv = sys.argv[1], sys.argv[1:]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 
 import torch
 
@@ -16,7 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inference engine behind the contract")
     p.add_argument("--model", required=True, help="local Hugging Face model directory (or a hub name)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--port", type=int, default=8100, help="0: any free port (see --port-file)")
+    p.add_argument("--port-file", default=None,
+                   help="write the port listened on to this file once bound (how a launcher learns a free port)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-running-seqs", type=int, default=64, help="sequences decoded together")
     p.add_argument("--max-batch-tokens", type=int, default=16384, help="KV-cache tokens of running sequences")
@@ -57,8 +60,6 @@ def build_app(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> None:
-    import uvicorn
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.engine == "vllm":
         from pipelinerl.engines.vllm import serve as serve_vllm
@@ -68,6 +69,35 @@ def main(args: argparse.Namespace) -> None:
         from pipelinerl.engines.sglang import serve as serve_sglang
 
         return serve_sglang(args)
-    app = build_app(args)
-    print(f"pipelinerl {args.engine} engine serving {args.model} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    run_server(build_app(args), args, f"pipelinerl {args.engine} engine serving {args.model}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; port 0 takes a free one. Binding here (not in uvicorn) lets the server
+    report the port it got, so launchers never pick a port that someone else takes before the server starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another port, "
+                         "or --port 0 for any free one") from None
+    sock.listen(2048)
+    return sock
+
+
+def run_server(app, args: argparse.Namespace, banner: str) -> None:
+    """Serve `app` with uvicorn on --host/--port until stopped, writing --port-file once listening."""
+    import uvicorn
+
+    sock = bind(args.host, args.port)
+    port = sock.getsockname()[1]
+    print(f"{banner} on http://{args.host}:{port}", flush=True)
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)  # readers never see a half-written number
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])

@@ -4,8 +4,10 @@
 
 Each step takes the next `samples_per_step` samples in stream order (whole groups: the actor writes a group in
 one append and `samples_per_step` is a multiple of the group size), drops any whose first token is more than
-`max_lag` versions old (counted; the actor's admission control should make this rare), trains, broadcasts the
-new weights into the running engines, and announces the new version on the control stream.
+`max_lag` versions old (counted and replaced by the next samples; the actor's admission control makes this
+rare), trains, broadcasts the new weights into the running engines, and announces the new version and the count
+of samples taken on the control stream (the actor plans its lag from both). With `trainer.num_processes` > 1
+every process reads the same stream and trains on its share of each batch.
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ class SampleFeed:
                 self.consumed += 1
         return out
 
+    def take_fresh(self, n: int, version: int, max_lag: int) -> tuple[list[Sample], int]:
+        """The next `n` samples at most `max_lag` versions behind `version`, and how many stale ones were skipped
+        on the way. A skipped sample is replaced by the next one in the stream, so every step trains on a full
+        batch (a group that finished late, behind younger ones, can be older than the actor planned)."""
+        fresh: list[Sample] = []
+        dropped = 0
+        while len(fresh) < n:
+            for sample in self.take(n - len(fresh)):
+                if sample.lag(version) <= max_lag:
+                    fresh.append(sample)
+                else:
+                    dropped += 1
+        return fresh, dropped
+
 
 def batch_metrics(batch: list[Sample]) -> dict[str, float]:
     n = max(1, len(batch))
@@ -71,8 +87,11 @@ def batch_metrics(batch: list[Sample]) -> dict[str, float]:
 
 def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     run_dir = Path(cfg.run_dir)
-    metrics = MetricsSink(run_dir, cfg.metrics, OmegaConf.to_container(OmegaConf.structured(cfg)))
     trainer = Trainer(cfg.model.path, cfg.trainer, cfg.weight_sync, cfg.model.dtype, cfg.seed)
+    # With several trainer processes every one reads the same samples and takes its share of each batch; only
+    # the main process writes metrics, announces versions and evaluates (it alone talks to the engines).
+    main = trainer.accelerator.is_main_process
+    metrics = MetricsSink(run_dir, cfg.metrics, OmegaConf.to_container(OmegaConf.structured(cfg))) if main else None
     position: dict = {}
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
@@ -81,24 +100,23 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     group = trainer.connect_engines(engine_urls)
     if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights
         trainer.broadcast_weights(group, engine_urls)
-    control = open_writer(cfg.streams, run_dir, "control", "trainer")
-    control.write({"kind": "version", "version": trainer.version})
+    control = open_writer(cfg.streams, run_dir, "control", "trainer") if main else None
     feed = SampleFeed(cfg, position.get("consumed_samples", 0))
+    announce(control, {"kind": "version", "version": trainer.version, "consumed": feed.consumed})
     stale_dropped = position.get("stale_dropped", 0)
     started = time.monotonic() - position.get("elapsed_s", 0.0)
-    evaluator = HeldOutEval(cfg, engine_urls)
+    evaluator = HeldOutEval(cfg, engine_urls, enabled=main and cfg.trainer.eval_every > 0)
     try:
         if evaluator.enabled and trainer.version == 0:
             metrics.write(evaluator.run(0, time.monotonic() - started, feed.consumed))
         last = time.monotonic()
         while trainer.version < cfg.trainer.max_steps:
-            batch = feed.take(cfg.trainer.samples_per_step)
-            fresh = [s for s in batch if s.lag(trainer.version) <= cfg.actor.max_lag]
-            stale_dropped += len(batch) - len(fresh)
+            batch, dropped = feed.take_fresh(cfg.trainer.samples_per_step, trainer.version, cfg.actor.max_lag)
+            stale_dropped += dropped
             waited = time.monotonic() - last
-            stats = trainer.optimizer_step(fresh) if fresh else {"skipped": 1.0}
+            stats = trainer.optimizer_step(batch)
             sync = trainer.broadcast_weights(group, engine_urls)
-            control.write({"kind": "version", "version": trainer.version})
+            announce(control, {"kind": "version", "version": trainer.version, "consumed": feed.consumed})
             now = time.monotonic()
             tokens = sum(len(s.output_token_ids) for s in batch)
             row = {"step": trainer.version, "time": now - started, "samples": len(batch),
@@ -108,7 +126,8 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
                    "stale_dropped": stale_dropped, "stream_corrupt": feed.reader.corrupt,
                    "min_version_in_batch": min(s.oldest_version for s in batch),
                    **batch_metrics(batch), **stats}
-            metrics.write(row)
+            if metrics:
+                metrics.write(row)
             if evaluator.enabled and (trainer.version % cfg.trainer.eval_every == 0
                                       or trainer.version == cfg.trainer.max_steps):
                 metrics.write(evaluator.run(trainer.version, time.monotonic() - started, feed.consumed))
@@ -117,23 +136,31 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
                 save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped,
                                                                                             started))
     finally:
-        metrics.close()
+        if metrics:
+            metrics.close()
     save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped, started))
     export_hf(trainer, run_dir / "final_model")
     evaluator.close()
-    control.write({"kind": "done", "version": trainer.version})
-    control.close()
+    announce(control, {"kind": "done", "version": trainer.version})
+    if control:
+        control.close()
     trainer.close()
     if group is not None:
         group.destroy()
 
 
+def announce(control, message: dict) -> None:
+    """Tell the actor (and anyone reading the control stream); a no-op on trainer processes other than main."""
+    if control is not None:
+        control.write(message)
+
+
 class HeldOutEval:
     """pass@1 on the task's held-out problems through the engines, which hold the trainer's latest weights."""
 
-    def __init__(self, cfg: RunConfig, engine_urls: list[str]):
+    def __init__(self, cfg: RunConfig, engine_urls: list[str], enabled: bool):
         self.cfg, self.urls = cfg, engine_urls
-        self.enabled = cfg.trainer.eval_every > 0
+        self.enabled = enabled
         if self.enabled:
             from transformers import AutoTokenizer
 

@@ -1,4 +1,5 @@
 import contextlib
+import itertools
 import subprocess
 from pathlib import Path
 
@@ -6,7 +7,7 @@ import pytest
 
 from pipelinerl.engines.client import EngineClient
 from pipelinerl.models.tiny import build_tiny_model
-from pipelinerl.procs import engine_command, free_port, start_process, stop_process, tail
+from pipelinerl.procs import engine_command, start_process, stop_process, tail, wait_for_port
 
 
 @pytest.fixture(scope="session")
@@ -16,15 +17,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
                             initializer_range=0.2, seed=1234)
 
 
+_engine_numbers = itertools.count()
+
+
 @contextlib.contextmanager
 def running_engine(model_dir, log_dir: Path, extra=(), threads: int = 1):
-    port = free_port()
-    log = log_dir / f"engine-{port}.log"
-    proc: subprocess.Popen = start_process(engine_command(str(model_dir), port, extra=list(extra)), log,
-                                           threads=threads)
-    client = EngineClient(f"http://127.0.0.1:{port}")
+    # port 0 + --port-file: the engine binds a free port itself, so no other process can take it in between
+    name = f"engine-{next(_engine_numbers)}"
+    log, port_file = log_dir / f"{name}.log", log_dir / f"{name}.port"
+    cmd = engine_command(str(model_dir), 0, extra=[*extra, "--port-file", str(port_file)])
+    proc: subprocess.Popen = start_process(cmd, log, threads=threads)
+    client = None
     try:
         try:
+            client = EngineClient(f"http://127.0.0.1:{wait_for_port(port_file, proc, 120)}")
             client.wait_healthy(timeout_s=120, process=proc)
         except Exception as e:
             raise RuntimeError(f"{e}\n--- engine log ---\n{tail(log)}") from e
@@ -32,5 +38,6 @@ def running_engine(model_dir, log_dir: Path, extra=(), threads: int = 1):
         client.process = proc
         yield client
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         stop_process(proc)

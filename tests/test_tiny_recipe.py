@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from pipelinerl.procs import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,8 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_tiny_recipe_learns(tmp_path):
     run_dir = tmp_path / "tiny"
     cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(ROOT / "recipes" / "tiny_cpu.yaml"),
-           f"run_dir={run_dir}", "trainer.max_steps=150", "trainer.eval_every=150",
-           f"engine.base_port={free_port()}"]
+           f"run_dir={run_dir}", "trainer.max_steps=150", "trainer.eval_every=150"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

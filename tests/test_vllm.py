@@ -103,7 +103,7 @@ def test_training_run_with_vllm_engine(vllm_imports, tmp_path):
     cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(ROOT / "recipes" / "tiny_cpu.yaml"), f"run_dir={run_dir}",
            "engine.kind=vllm", "trainer.max_steps=3", "model.warmup_steps=0", "sampling.max_new_tokens=16",
            "sampling.group_size=4", "trainer.samples_per_step=16", "actor.dynamic_sampling=false",
-           "actor.concurrency=16", "trainer.eval_every=0", f"engine.base_port={free_port()}",
+           "actor.concurrency=16", "trainer.eval_every=0",
            "weight_sync.master_port=0"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)

@@ -37,11 +37,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900.0) -> 
 
 def serve(args: argparse.Namespace) -> None:
     """Start SGLang, wait until it is healthy, then serve the contract on `args.host:args.port`."""
-    import uvicorn
-
     from pipelinerl.engines.external import load_tokenizer, model_facts
     from pipelinerl.engines.server import create_app
     from pipelinerl.engines.sglang.front import SGLangBackend, SGLangSettings
+    from pipelinerl.serve import run_server
 
     try:
         import sglang  # noqa: F401
@@ -59,9 +58,7 @@ def serve(args: argparse.Namespace) -> None:
         wait_healthy(url, proc)
         app = create_app(backend, title="pipelinerl SGLang engine")
         app.router.on_shutdown.append(backend.aclose)
-        print(f"pipelinerl sglang engine serving {args.model} on http://{args.host}:{args.port} (SGLang on {url})",
-              flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        run_server(app, args, f"pipelinerl sglang engine (SGLang on {url}) serving {args.model}")
     finally:
         if proc.poll() is None:
             proc.terminate()

@@ -32,10 +32,9 @@ def build_backend(args: argparse.Namespace, vllm_url: str):
 
 def serve(args: argparse.Namespace) -> None:
     """Start vLLM, wait until it is healthy, then serve the contract on `args.host:args.port` until stopped."""
-    import uvicorn
-
     from pipelinerl.engines.server import create_app
     from pipelinerl.engines.vllm import launcher
+    from pipelinerl.serve import run_server
 
     try:
         import vllm  # noqa: F401
@@ -52,8 +51,6 @@ def serve(args: argparse.Namespace) -> None:
         app = create_app(backend, title="pipelinerl vLLM engine")
         app.router.on_startup.append(backend.start)
         app.router.on_shutdown.append(backend.aclose)
-        print(f"pipelinerl vllm engine serving {args.model} on http://{args.host}:{args.port} "
-              f"(vLLM on {vllm_url})", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        run_server(app, args, f"pipelinerl vllm engine (vLLM on {vllm_url}) serving {args.model}")
     finally:
         launcher.stop(proc)

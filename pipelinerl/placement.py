@@ -1,0 +1,167 @@
+"""Where the processes of a run go: which node, which GPUs, which port.
+
+A run spans `WORLD_SIZE` nodes (1 unless the environment says otherwise; `RANK` is this node, `MASTER_ADDR`
+and `MASTER_PORT` reach node 0). Node 0 runs the trainer on its first `trainer.num_processes` GPUs, the actor
+and the reward pool; every node runs engines on the GPUs left, one GPU each (tensor-parallel engines are
+not supported yet). On a machine
+without GPUs the roles share the cores through their thread counts (`engine.threads`, `trainer.threads`).
+
+Planning is pure (a config, a node and a GPU count in, a plan out) so every placement rule is tested without
+the hardware; the launcher applies the plan through each child's environment (CUDA_VISIBLE_DEVICES).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pipelinerl.config import ConfigError, RunConfig
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's default, so environments set up for torchrun work unchanged
+
+
+@dataclass(frozen=True)
+class NodeEnv:
+    """This node's place in the run, from the standard environment variables."""
+
+    world_size: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
+
+    @property
+    def multi_node(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> NodeEnv:
+        def integer(name: str, default: int) -> int:
+            raw = environ.get(name, "")
+            if raw == "":
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"environment {name}={raw!r}: must be an integer") from None
+
+        world, rank = integer("WORLD_SIZE", 1), integer("RANK", 0)
+        if world < 1:
+            raise ConfigError(f"environment WORLD_SIZE={world}: must be at least 1")
+        if not 0 <= rank < world:
+            raise ConfigError(f"environment RANK={rank}: must be in [0, WORLD_SIZE={world})")
+        master = environ.get("MASTER_ADDR", "")
+        if world > 1 and not master:
+            raise ConfigError(f"environment MASTER_ADDR is not set: a run over WORLD_SIZE={world} nodes needs "
+                              "node 0's address in MASTER_ADDR on every node")
+        return cls(world, rank, master or "127.0.0.1", integer("MASTER_PORT", DEFAULT_MASTER_PORT))
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    index: int  # engine number on this node
+    gpus: tuple[int, ...]  # device indices as this node's launcher sees them; empty on CPU
+    port: int  # 0: the engine binds a free port and reports it
+
+    def env(self, visible: str | None = None) -> dict[str, str]:
+        return gpu_env(self.gpus, visible)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node: NodeEnv
+    engines: tuple[EngineSlot, ...]
+    runs_trainer: bool  # node 0: the trainer, the actor and the reward pool
+    trainer_gpus: tuple[int, ...]
+
+    def describe(self) -> str:
+        where = f"node {self.node.rank} of {self.node.world_size}"
+        parts = []
+        if self.runs_trainer:
+            parts.append(f"trainer on GPUs {_ids(self.trainer_gpus)}" if self.trainer_gpus else "trainer on CPU")
+        for e in self.engines:
+            parts.append(f"engine{e.index} on GPUs {_ids(e.gpus)}" if e.gpus else f"engine{e.index} on CPU")
+        return f"{where}: {'; '.join(parts) or 'nothing'}"
+
+
+def _ids(gpus: tuple[int, ...]) -> str:
+    return ",".join(map(str, gpus))
+
+
+def gpu_env(gpus: tuple[int, ...], visible: str | None = None) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for a child given GPU indices as the launcher sees them. When the launcher itself was
+    restricted (`visible`, its own CUDA_VISIBLE_DEVICES), index i means the i-th device of that list."""
+    if not gpus:
+        return {}
+    listed = [d.strip() for d in visible.split(",")] if visible else None
+    return {"CUDA_VISIBLE_DEVICES": ",".join(listed[g] if listed else str(g) for g in gpus)}
+
+
+def plan_node(cfg: RunConfig, node: NodeEnv, num_gpus: int) -> NodePlan:
+    """This node's share of the run. Raises ConfigError naming the key when the recipe does not fit."""
+    e, t = cfg.engine, cfg.trainer
+    runs_trainer = node.rank == 0
+    trainer_gpus: tuple[int, ...] = ()
+    if num_gpus == 0:
+        if e.num_engines == 0:
+            raise ConfigError("engine.num_engines: 0 fills the node's free GPUs, but this node has none; "
+                              "set the number of engines")
+        slots = tuple(EngineSlot(i, (), _port(e.base_port, i)) for i in range(e.num_engines))
+    else:
+        free = list(range(num_gpus))
+        if runs_trainer:
+            if t.num_processes > num_gpus:
+                raise ConfigError(f"trainer.num_processes: {t.num_processes} trainer processes need as many GPUs "
+                                  f"on node 0, which has {num_gpus} (the trainer runs on one node)")
+            trainer_gpus, free = tuple(free[: t.num_processes]), free[t.num_processes:]
+        count = e.num_engines or len(free)
+        if count > len(free):
+            raise ConfigError(f"engine.num_engines: {count} engines need a GPU each; node {node.rank} has "
+                              f"{len(free)} left of {num_gpus}" + (f" after the trainer's {len(trainer_gpus)}"
+                                                                    if trainer_gpus else ""))
+        slots = tuple(EngineSlot(i, (free[i],), _port(e.base_port, i)) for i in range(count))
+    if not slots and not node.multi_node:
+        raise ConfigError("engine.num_engines: no GPU is left for an engine after the trainer's "
+                          f"{t.num_processes}; lower trainer.num_processes or run on more nodes")
+    if node.rank > 0 and is_loopback(e.host) and not is_loopback(node.master_addr):
+        raise ConfigError(f"engine.host: {e.host} is reachable only from this node, but node 0 "
+                          f"(MASTER_ADDR={node.master_addr}) must reach every engine; set engine.host=0.0.0.0 "
+                          "or this node's address")
+    return NodePlan(node, slots, runs_trainer, trainer_gpus)
+
+
+def _port(base: int, index: int) -> int:
+    return base + index if base else 0
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def advertised_host(bind_host: str, master_addr: str, master_port: int) -> str:
+    """The address other nodes use to reach a server bound to `bind_host` on this node: the bind address itself
+    unless it is a wildcard, else this node's address on the route to node 0."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    if is_loopback(master_addr):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master_addr, master_port))  # UDP: no packet is sent; the kernel only picks the route
+        return s.getsockname()[0]
+
+
+def detect_gpus() -> int:
+    """GPUs this process can use (honours CUDA_VISIBLE_DEVICES); 0 without CUDA."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA install: run on CPU rather than not at all
+        return 0

@@ -1,0 +1,146 @@
+"""What runs where (pipelinerl.placement) and how node launchers meet (pipelinerl.nodes, a real TCPStore)."""
+
+import threading
+import time
+
+import pytest
+
+from pipelinerl.config import ConfigError, RunConfig, load_config
+from pipelinerl.nodes import NodeLost, NodeRendezvous
+from pipelinerl.placement import NodeEnv, advertised_host, gpu_env, is_loopback, plan_node
+from pipelinerl.procs import free_port
+
+
+def config(*overrides: str) -> RunConfig:
+    return load_config(None, ["run_dir=/tmp/x", "model.path=/tmp/m", *overrides])
+
+
+def test_node_env_from_the_standard_variables():
+    assert NodeEnv.from_environ({}) == NodeEnv(1, 0, "127.0.0.1", 29500)
+    env = NodeEnv.from_environ({"WORLD_SIZE": "3", "RANK": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert env == NodeEnv(3, 2, "10.0.0.1", 1234) and env.multi_node
+
+
+@pytest.mark.parametrize("environ, names", [
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h"}, "RANK=2"),
+    ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_ADDR"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
+])
+def test_node_env_errors_name_the_variable(environ, names):
+    with pytest.raises(ConfigError, match=names):
+        NodeEnv.from_environ(environ)
+
+
+def test_cpu_node_runs_the_configured_engines_with_free_ports():
+    plan = plan_node(config("engine.num_engines=2"), NodeEnv(), num_gpus=0)
+    assert plan.runs_trainer and plan.trainer_gpus == ()
+    assert [(e.index, e.gpus, e.port) for e in plan.engines] == [(0, (), 0), (1, (), 0)]
+    fixed = plan_node(config("engine.num_engines=2", "engine.base_port=9000"), NodeEnv(), num_gpus=0)
+    assert [e.port for e in fixed.engines] == [9000, 9001]
+
+
+def test_gpu_node_zero_gives_the_trainer_the_first_gpus_and_fills_the_rest_with_engines():
+    plan = plan_node(config("trainer.num_processes=3", "engine.num_engines=0"), NodeEnv(), num_gpus=8)
+    assert plan.trainer_gpus == (0, 1, 2)
+    assert [e.gpus for e in plan.engines] == [(3,), (4,), (5,), (6,), (7,)]
+    assert "trainer on GPUs 0,1,2" in plan.describe() and "engine4 on GPUs 7" in plan.describe()
+
+
+def test_other_nodes_run_only_engines_on_every_gpu():
+    node = NodeEnv(2, 1, "10.0.0.1")
+    plan = plan_node(config("trainer.num_processes=4", "engine.num_engines=0", "engine.host=0.0.0.0"), node, 4)
+    assert not plan.runs_trainer and plan.trainer_gpus == ()
+    assert [e.gpus for e in plan.engines] == [(0,), (1,), (2,), (3,)]
+
+
+def test_node_zero_may_leave_the_engines_to_other_nodes():
+    plan = plan_node(config("trainer.num_processes=8", "engine.num_engines=0"), NodeEnv(2, 0, "10.0.0.1"), 8)
+    assert plan.trainer_gpus == tuple(range(8)) and plan.engines == ()
+
+
+@pytest.mark.parametrize("overrides, node, gpus, key", [
+    (["engine.num_engines=0"], NodeEnv(), 0, "engine.num_engines: 0 fills"),
+    (["trainer.num_processes=4"], NodeEnv(), 2, "trainer.num_processes: 4 trainer processes"),
+    (["trainer.num_processes=2", "engine.num_engines=3"], NodeEnv(), 4, "engine.num_engines: 3 engines"),
+    (["trainer.num_processes=2", "engine.num_engines=0"], NodeEnv(), 2, "engine.num_engines: no GPU is left"),
+    ([], NodeEnv(2, 1, "10.0.0.1"), 0, "engine.host: 127.0.0.1 is reachable only from this node"),
+])
+def test_placements_that_do_not_fit_name_the_key(overrides, node, gpus, key):
+    with pytest.raises(ConfigError, match=key):
+        plan_node(config(*overrides), node, gpus)
+
+
+def test_gpu_env_maps_indices_through_the_launchers_own_visible_devices():
+    assert gpu_env(()) == {}
+    assert gpu_env((0, 1)) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert gpu_env((0, 2), visible="4,5,6") == {"CUDA_VISIBLE_DEVICES": "4,6"}
+
+
+def test_hosts():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("node7")
+    assert advertised_host("10.1.2.3", "10.0.0.1", 29500) == "10.1.2.3"
+    assert advertised_host("0.0.0.0", "127.0.0.1", 29500) == "127.0.0.1"
+
+
+def test_config_keys_are_validated():
+    with pytest.raises(ConfigError, match="trainer.num_processes"):
+        config("trainer.num_processes=0")
+    with pytest.raises(ConfigError, match="trainer.accelerate_config"):
+        config("trainer.accelerate_config=/no/such.yaml")
+    with pytest.raises(ConfigError, match="engine.base_port"):
+        config("engine.base_port=70000")
+    config("trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml")
+
+
+# --- the rendezvous, over a real TCPStore on loopback ---------------------------------------------------------
+
+
+def nodes(world: int, timeout_s: float = 20.0) -> list[NodeRendezvous]:
+    port = free_port()
+    return [NodeRendezvous(NodeEnv(world, r, "127.0.0.1", port), timeout_s) for r in range(world)]
+
+
+def test_rendezvous_hands_the_model_and_the_engine_urls_to_node_zero():
+    node0, node1, node2 = nodes(3)
+    node0.model_ready("/shared/model")
+    assert node1.wait_model() == "/shared/model"
+    node2.publish_engines(["http://c:1"])
+    threading.Timer(0.3, node1.publish_engines, [["http://b:1", "http://b:2"]]).start()
+    urls = node0.gather_engines(["http://a:1"], check=lambda: None)
+    assert urls == ["http://a:1", "http://b:1", "http://b:2", "http://c:1"]  # node order, whenever they arrive
+
+
+def test_a_failing_node_stops_node_zero_with_its_message():
+    node0, node1 = nodes(2)
+    node1.fail("engine0 exited with code -9")
+    with pytest.raises(RuntimeError, match="node 1 failed: engine0 exited with code -9"):
+        node0.gather_engines([], check=lambda: None)
+
+
+def test_finish_reaches_the_other_nodes_before_node_zero_goes():
+    node0, node1 = nodes(2)
+    assert node1.finished() is None
+    statuses = []
+    reader = threading.Thread(target=lambda: (time.sleep(0.3), statuses.append(node1.finished())))
+    reader.start()
+    started = time.monotonic()
+    node0.finish(ok=True, wait_s=10)
+    reader.join()
+    assert statuses == ["ok"] and time.monotonic() - started < 5  # node 0 waited for the acknowledgement
+
+
+def test_a_node_zero_that_is_gone_is_noticed():
+    node0, node1 = nodes(2)
+    del node0  # the store's server goes with it
+    with pytest.raises(NodeLost, match="node 0"):
+        for _ in range(50):
+            node1.finished()
+            time.sleep(0.1)
+
+
+def test_waiting_for_an_absent_node_times_out_naming_it():
+    node0, _ = nodes(2, timeout_s=1.0)
+    with pytest.raises(TimeoutError, match="engines from node 1"):
+        node0.gather_engines([], check=lambda: None)
