@@ -39,7 +39,7 @@ from pipelinerl.contracts.inference import (
     WeightsChecksumResponse,
 )
 from pipelinerl.engines.embedded.model_runner import copy_slot, make_runner
-from pipelinerl.engines.embedded.sampling import sample
+from pipelinerl.engines.embedded.sampling import SamplingBatch, sample_batch
 from pipelinerl.engines.server import ContractError, render_metrics
 from pipelinerl.weight_sync import (
     DTYPE_NAMES,
@@ -80,13 +80,35 @@ class _Request:
 class _Seq:
     req: _Request
     slot: int
-    length: int  # tokens in the KV cache; where the next token is written
     last_token: int
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens in the KV cache, where the next one is written: the prompt and every generated token but
+        the last (the next step's input)."""
+        return len(self.req.prompt) + len(self.tokens) - 1
+
+
+@dataclass
+class _DecodeBatch:
+    """The running batch's step inputs, carried from one step to the next while no sequence joins or leaves
+    (instead of rebuilt from every sequence on every step)."""
+
+    tokens: torch.Tensor  # each sequence's next input token
+    positions: torch.Tensor  # where that token goes in its KV cache
+    span: tuple[int, int]  # min and max of positions
+    sampling: SamplingBatch
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """After a step: the sampled tokens are the next inputs, one position further on."""
+        self.tokens = tokens
+        self.positions += 1
+        self.span = (self.span[0] + 1, self.span[1] + 1)
 
 
 @dataclass
@@ -210,7 +232,7 @@ class EmbeddedEngine:
         self._pending: _PendingSwitch | None = None
         self._abort_flag = False
         self._stopped = False
-        self._batch_params: tuple | None = None
+        self._batch: _DecodeBatch | None = None
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -483,18 +505,16 @@ class EmbeddedEngine:
         for req in batch:
             head = first + len(seqs)
             heads.append(head)
-            req.seqs = [_Seq(req, head + i, len(req.prompt), -1, self._generator(req.params, i))
-                        for i in range(req.params.n)]
+            req.seqs = [_Seq(req, head + i, -1, self._generator(req.params, i)) for i in range(req.params.n)]
             seqs.extend(req.seqs)
         logits = self.runner.prefill_batch(heads, [req.prompt for req in batch])
         for req, head in zip(batch, heads):
             for i in range(1, req.params.n):
                 copy_slot(self.runner, head, head + i, len(req.prompt))
         self._running.extend(seqs)
-        self._batch_params = None
-        counts = torch.tensor([req.params.n for req in batch])
-        temperature, top_k, top_p, generators = _sampling_params(seqs)
-        tokens, logprobs = sample(logits.repeat_interleave(counts, dim=0), temperature, top_k, top_p, generators)
+        self._batch = None
+        counts = torch.tensor([req.params.n for req in batch], device=logits.device)
+        tokens, logprobs = sample_batch(logits.repeat_interleave(counts, dim=0), self._sampling(seqs))
         self._append(seqs, tokens.tolist(), logprobs.tolist())
 
     def _take_admissible(self) -> list[_Request]:
@@ -522,18 +542,27 @@ class EmbeddedEngine:
         g.manual_seed(params.seed + sample_index)
         return g
 
+    def _sampling(self, seqs: list[_Seq]) -> SamplingBatch:
+        params = [s.req.params for s in seqs]
+        return SamplingBatch.of([p.temperature for p in params], [p.top_k for p in params],
+                                [p.top_p for p in params], [s.generator for s in seqs], self.runner.device)
+
+    def _decode_batch(self) -> _DecodeBatch:
+        if self._batch is None:
+            running, device = self._running, self.runner.device
+            lengths = [s.length for s in running]
+            self._batch = _DecodeBatch(torch.tensor([s.last_token for s in running], device=device),
+                                       torch.tensor(lengths, device=device), (min(lengths), max(lengths)),
+                                       self._sampling(running))
+        return self._batch
+
     def _decode_step(self) -> None:
         t0 = time.perf_counter()
-        running = self._running
-        if self._batch_params is None:
-            self._batch_params = _sampling_params(running)
-        tokens_in = torch.tensor([s.last_token for s in running])
-        positions = torch.tensor([s.length for s in running])
-        logits = self.runner.decode(tokens_in, positions)
-        for s in running:
-            s.length += 1
-        tokens, logprobs = sample(logits, *self._batch_params)
-        self._append(running, tokens.tolist(), logprobs.tolist())
+        batch = self._decode_batch()
+        logits = self.runner.decode(batch.tokens, batch.positions, batch.span)
+        tokens, logprobs = sample_batch(logits, batch.sampling)
+        batch.advance(tokens)
+        self._append(self._running, tokens.tolist(), logprobs.tolist())  # a retirement drops the batch
         self.metrics.decode_steps += 1
         self.metrics.decode_seconds += time.perf_counter() - t0
 
@@ -569,15 +598,17 @@ class EmbeddedEngine:
             if req.done_count == len(req.seqs):
                 self._reserved_tokens -= req.params.n * (len(req.prompt) + req.max_new)
                 self._finish_request(req)
-        self._batch_params = None
+        self._batch = None
 
     def _finish_request(self, req: _Request) -> None:
-        completions = [Completion(token_ids=s.tokens, logprobs=s.logprobs, versions=s.versions,
-                                  finish_reason=s.finish or "abort") for s in req.seqs]
+        # model_construct: the engine built these lists itself, validating them again is engine-thread time
+        completions = [Completion.model_construct(token_ids=s.tokens, logprobs=s.logprobs, versions=s.versions,
+                                                  finish_reason=s.finish or "abort") for s in req.seqs]
         if not req.seqs:  # aborted before admission
-            completions = [Completion(token_ids=[], logprobs=[], versions=[], finish_reason="abort")
+            completions = [Completion.model_construct(token_ids=[], logprobs=[], versions=[], finish_reason="abort")
                            for _ in range(req.params.n)]
-        resp = GenerateResponse(request_id=req.id, prompt_len=len(req.prompt), completions=completions)
+        resp = GenerateResponse.model_construct(request_id=req.id, prompt_len=len(req.prompt),
+                                                completions=completions)
         with self._cv:
             self._requests.pop(req.id, None)
         self.metrics.requests_finished += 1
@@ -590,18 +621,10 @@ class EmbeddedEngine:
             self._waiting.clear()
         self._running.clear()
         self._reserved_tokens = 0
-        self._batch_params = None
+        self._batch = None
         for r in reqs:
             err = ContractError(500, f"engine step failed: {type(error).__name__}: {error}", type="engine_error")
             r.loop.call_soon_threadsafe(_reject, r.future, err)
-
-
-def _sampling_params(seqs: list[_Seq]) -> tuple:
-    """Per-row (temperature, top_k, top_p, generators) of `seqs`, as `sample` takes them."""
-    return (torch.tensor([s.req.params.temperature for s in seqs]),
-            torch.tensor([s.req.params.top_k for s in seqs]),
-            torch.tensor([s.req.params.top_p for s in seqs]),
-            [s.generator for s in seqs])
 
 
 def tensor_checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:
