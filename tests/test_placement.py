@@ -144,3 +144,20 @@ def test_waiting_for_an_absent_node_times_out_naming_it():
     node0, _ = nodes(2, timeout_s=1.0)
     with pytest.raises(TimeoutError, match="engines from node 1"):
         node0.gather_engines([], check=lambda: None)
+
+
+def test_trainer_command_per_setting():
+    from pipelinerl.launch import trainer_command
+
+    def cmd(gpus: int, *overrides: str) -> list[str]:
+        return trainer_command(config(*overrides), "run/config.yaml", "http://a:1", gpus)
+
+    role = ["-m", "pipelinerl.train", "run/config.yaml", "--engines", "http://a:1"]
+    assert cmd(0)[1:] == role and cmd(1)[1:] == role  # one process: the role itself
+    cpu = cmd(0, "trainer.num_processes=2")
+    assert cpu[3:6] == ["torch.distributed.run", "--standalone", "--nproc-per-node"] and cpu[-5:] == role
+    gpu = cmd(4, "trainer.num_processes=4")
+    assert "accelerate.commands.launch" in gpu and "--multi_gpu" in gpu and gpu[-5:] == role
+    zero3 = cmd(4, "trainer.num_processes=4", "trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml")
+    assert zero3[zero3.index("--config_file") + 1] == "launch/accelerate/deepspeed_zero3.yaml"
+    assert "--multi_gpu" not in zero3 and zero3[zero3.index("--num_processes") + 1] == "4"
