@@ -6,16 +6,19 @@ prefill is included on both sides:
 - engine (in process, the main number): an `EmbeddedEngine` driven directly, the BATCH requests submitted
   together on one event loop;
 - engine over HTTP (first model only): the same batch posted concurrently to a real engine server process
-  (`pipelinerl serve`), as the actor uses it;
+  (`pipelinerl serve`) by BATCH client threads of one `EngineClient` (kept from round to round, like the
+  actor's client; creating the threads inside the timed region cost about 60 ms a batch here);
 - engine with aten linears: the in-process engine with oneDNN linears off (PIPELINERL_ONEDNN=0), to show
   what the kernel choice contributes;
 - Hugging Face: `model.generate(input_ids [BATCH, PROMPT_LEN], do_sample=False, max_new_tokens=NEW_TOKENS,
   min_new_tokens=NEW_TOKENS)` with its default DynamicCache.
 Every side runs with THREADS torch threads; the runs are interleaved (warm-up, then REPEATS rounds) and the
 medians compared. Target: `ratio` = engine (in process) tokens/s / Hugging Face tokens/s >= 2 on the first
-(tiny) model; the other models are reported alongside. `ratio_cpu_time` compares the CPU seconds this process
-spent instead of wall seconds (with one thread each side runs on one core at a time), `ratio_best` the fastest
-repeat of each side: on a machine shared with other work they move less than the median wall-clock ratio.
+(tiny) model; the other models are reported alongside (sizes in `params`). `ratio_rounds` gives the spread:
+the ratio of each round's own pair of runs, min / median / max. `ratio_cpu_time` compares the CPU seconds
+this process spent instead of wall seconds (with one thread each side runs on one core at a time),
+`ratio_best` the fastest repeat of each side: on a machine shared with other work they move less than the
+median wall-clock ratio.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ def run(quick: bool = False) -> dict:
     return {
         "name": NAME,
         **verdict(main["ratio"], TARGET),
-        "ratio_is": f"engine in process / HF generate, tokens/s, model {main['model']}",
-        "summary": "; ".join(f"{r['model']}: {r['ratio']:.2f}x in process"
+        "ratio_is": f"engine in process / HF generate, tokens/s, model {main['model']} ({main['params']} params)",
+        "summary": "; ".join(f"{r['model']} ({r['params'] / 1e6:.1f}M): {r['ratio']:.2f}x in process "
+                             f"(rounds {r['ratio_rounds']['min']:.2f}-{r['ratio_rounds']['max']:.2f})"
                              + (f", {r['ratio_http']:.2f}x over HTTP" if "ratio_http" in r else "")
                              for r in rows),
         "models": rows,
@@ -73,21 +77,25 @@ def measure_model(path: Path, prompts: torch.Tensor, repeats: int, with_http: bo
     server = _start_server(path, log_dir) if with_http else None
     try:
         if server is not None:
-            runs["engine_http"] = lambda: _http_batch(server[0], prompts)
+            runs["engine_http"] = HttpBatch(server[0], prompts)
         wall, cpu = interleaved(runs, repeats)
     finally:
         step_ms = 1000 * engine.metrics.decode_seconds / max(engine.metrics.decode_steps, 1)
         for r in runs.values():
-            if isinstance(r, EngineBatch):
+            if isinstance(r, (EngineBatch, HttpBatch)):
                 r.close()
         if server is not None:
             _stop_server(server)
     tokens = BATCH * NEW_TOKENS
     med = {name: median(ts) for name, ts in wall.items()}
     med_cpu = {name: median(cpu[name]) for name in ("engine", "engine_aten", "hf")}
-    row = {"model": path.name.split("-", 1)[1], **model_settings(path), "tokens_per_batch": tokens,
+    rounds = sorted(h / e for h, e in zip(wall["hf"], wall["engine"]))
+    row = {"model": path.name.split("-", 1)[1], "params": sum(p.numel() for p in hf.parameters()),
+           **model_settings(path), "tokens_per_batch": tokens,
            **{f"{name}_tokens_per_s": round(tokens / s, 1) for name, s in med.items()},
-           "ratio": round(med["hf"] / med["engine"], 3)}
+           "ratio": round(med["hf"] / med["engine"], 3),
+           "ratio_rounds": {"min": round(rounds[0], 3), "median": round(median(rounds), 3),
+                            "max": round(rounds[-1], 3)}}
     if "engine_http" in med:
         row["ratio_http"] = round(med["hf"] / med["engine_http"], 3)
     row.update({
@@ -185,9 +193,18 @@ def _stop_server(server) -> None:
     stop_process(proc)
 
 
-def _http_batch(client, prompts: torch.Tensor) -> None:
-    def one(prompt: list[int]):
-        return client.generate(prompt, temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+class HttpBatch:
+    """Calling it posts the whole batch at once, one request per client thread, and waits for every answer."""
 
-    with ThreadPoolExecutor(BATCH) as pool:
-        _check(list(pool.map(one, prompts.tolist())))
+    def __init__(self, client, prompts: torch.Tensor):
+        self.client, self.prompts = client, prompts.tolist()
+        self.pool = ThreadPoolExecutor(BATCH)
+
+    def _one(self, prompt: list[int]):
+        return self.client.generate(prompt, temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def __call__(self) -> None:
+        _check(list(self.pool.map(self._one, self.prompts)))
+
+    def close(self) -> None:
+        self.pool.shutdown()

@@ -41,6 +41,8 @@ FAST_PATH_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ONEDNN_MIN_MACS = 1 << 20
 # Padded tokens per prefill forward: bounds the activations of a batched prefill and the padding it wastes.
 PREFILL_CHUNK_TOKENS = 4096
+# Largest table of per-position rotations for every fused q/k/v head kept precomputed (see `_step_rope`).
+ROPE_TABLE_BYTES = 16 << 20
 
 def supports_fast_path(model: torch.nn.Module) -> bool:
     cfg = model.config
@@ -138,11 +140,26 @@ def _fuse_rows(modules: Sequence[torch.nn.Linear], groups: list[FusedGroup]) -> 
 
 
 @dataclass
+class _Norm:
+    """An RMSNorm module and what its forward reads, looked up once (the parameter object stays the same
+    across weight switches, which replace its data)."""
+
+    module: torch.nn.Module
+    weight: torch.Tensor
+    shape: tuple[int]
+    eps: float
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> _Norm:
+        return cls(module, module.weight, (module.weight.shape[-1],), module.variance_epsilon)
+
+
+@dataclass
 class _Layer:
     """One decoder layer's weights as the fast path uses them (views of the model's parameters)."""
 
-    input_norm: torch.nn.Module
-    post_norm: torch.nn.Module
+    input_norm: _Norm
+    post_norm: _Norm
     qkv_w: torch.Tensor
     qkv_b: torch.Tensor | None
     q_norm: torch.nn.Module | None  # Qwen3 normalises q and k per head before the rotation
@@ -176,6 +193,9 @@ class SlotRunner:
         self.linear = _sized_linear if self.onednn else F.linear
         self.fused_groups: list[FusedGroup] = []
         self.layers = [self._fast_layer(layer, cfg) for layer in self.inner.layers]
+        self._embed_w = self.inner.embed_tokens.weight
+        self._final_norm = _Norm.of(self.inner.norm)
+        self._head_w, self._head_b = model.lm_head.weight, model.lm_head.bias
         # One KV cache tensor per layer, [2 (k, v), slots, kv_heads, max_len, head_dim]: a decode step writes a
         # token's k and v with one indexed copy, and (slot, kv head) merge into one batch dimension for the
         # attention's batched matmuls without copying the cache.
@@ -186,8 +206,7 @@ class SlotRunner:
         self._slot_ids = torch.arange(num_slots, device=self.device)
         self._cos, self._sin = self._rotary_tables()
         self._rope = torch.stack((self._cos, self._sin), 1)  # [max_len, 2, head_dim]
-        # cos/sin of one decode step for every head of the fused q/k/v output; v heads keep cos 1, sin 0 (the
-        # identity), so q, k and v go through the rotation together and v comes out unchanged
+        self._rope_heads = self._fused_rope_table()
         heads = self.num_heads + 2 * self.num_kv_heads
         self._step_rope = torch.zeros(2, num_slots, heads, self.head_dim, dtype=self.dtype, device=self.device)
         self._step_rope[0] = 1.0
@@ -204,7 +223,7 @@ class SlotRunner:
                                                                                          "down_proj")):
             gate_up_w, gate_up_b = _fuse_rows([mlp.gate_proj, mlp.up_proj], self.fused_groups)
             down_w, down_b = mlp.down_proj.weight, mlp.down_proj.bias
-        return _Layer(input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm,
+        return _Layer(input_norm=_Norm.of(layer.input_layernorm), post_norm=_Norm.of(layer.post_attention_layernorm),
                       qkv_w=qkv_w, qkv_b=qkv_b, q_norm=getattr(attn, "q_norm", None),
                       k_norm=getattr(attn, "k_norm", None), o_w=attn.o_proj.weight, o_b=attn.o_proj.bias,
                       mlp=mlp, gate_up_w=gate_up_w, gate_up_b=gate_up_b, down_w=down_w, down_b=down_b)
@@ -222,6 +241,19 @@ class SlotRunner:
         sin[:, :half] = -sin[:, :half]
         return cos, sin
 
+    def _fused_rope_table(self) -> torch.Tensor | None:
+        """cos and sin of every position for every head of the fused q/k/v output, [max_len, 2, heads, d],
+        when that fits in ROPE_TABLE_BYTES (else a decode step builds its rows in `_step_rope`). v heads get
+        cos 1, sin 0, the identity: q, k and v go through the rotation together and v comes out unchanged."""
+        heads = self.num_heads + 2 * self.num_kv_heads
+        shape = (self.max_len, 2, heads, self.head_dim)
+        if self._rope.element_size() * shape[0] * shape[1] * shape[2] * shape[3] > ROPE_TABLE_BYTES:
+            return None
+        table = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        table[:, 0] = 1.0
+        table[:, :, :self.num_heads + self.num_kv_heads] = self._rope[:, :, None]
+        return table
+
     # --- slots ---------------------------------------------------------------------------------------------
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
@@ -230,10 +262,10 @@ class SlotRunner:
 
     # --- the layers ----------------------------------------------------------------------------------------
 
-    def _norm(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, norm: _Norm, x: torch.Tensor) -> torch.Tensor:
         if self.dtype != torch.float32:  # the model's own norm: it computes in float32 and casts back
-            return norm(x)
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+            return norm.module(x)
+        return F.rms_norm(x, norm.shape, norm.weight, norm.eps)
 
     def _rotate_qk(self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q and k of qkv [..., heads, head_dim], normalised (Qwen3) and rotated together."""
@@ -264,8 +296,7 @@ class SlotRunner:
         return self._linear_add(act, layer.down_w, layer.down_b, h)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        head = self.model.lm_head
-        return self.linear(self._norm(self.inner.norm, h), head.weight, head.bias).float()
+        return self.linear(self._norm(self._final_norm, h), self._head_w, self._head_b).float()
 
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
@@ -300,7 +331,7 @@ class SlotRunner:
         ids = ids.to(self.device)
         last = torch.tensor([i * n + len(p) - 1 for i, p in enumerate(prompts)], device=self.device)
         slot_ids = torch.tensor(list(slots), device=self.device)
-        h = self.inner.embed_tokens(ids).view(b * n, -1)
+        h = F.embedding(ids, self._embed_w).view(b * n, -1)
         cos, sin = self._cos[:n, None, :], self._sin[:n, None, :]
         for li, layer in enumerate(self.layers):
             qkv = self.linear(self._norm(layer.input_norm, h), layer.qkv_w, layer.qkv_b).view(b, n, -1, d)
@@ -326,7 +357,7 @@ class SlotRunner:
         lo, hi = span if span is not None else (int(positions.min()), int(positions.max()))
         upto = hi + 1
         h_, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.embedding(token_ids, self.inner.embed_tokens.weight)
+        h = F.embedding(token_ids, self._embed_w)
         cos, sin = self._decode_rope(positions, b)
         mask = None if lo == hi else self._decode_mask(positions, upto)  # equal lengths: nothing to hide
         write_at = [None, self._slot_ids[:b], None, positions]  # cache[:, slot, :, position]
@@ -343,9 +374,12 @@ class SlotRunner:
         return self._logits(h)
 
     def _decode_rope(self, positions: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's cos and sin, [b, heads, d] over the fused q/k/v heads (identity on v)."""
-        qk_heads = self.num_heads + self.num_kv_heads
-        rope = self._step_rope[:, :b]
+        """This step's cos and sin, [b, heads, d] over the fused q/k/v heads (identity on v: see
+        `_fused_rope_table`)."""
+        if self._rope_heads is not None:
+            rope = self._rope_heads.index_select(0, positions)
+            return rope[:, 0], rope[:, 1]
+        rope, qk_heads = self._step_rope[:, :b], self.num_heads + self.num_kv_heads
         rope[:, :, :qk_heads] = self._rope.index_select(0, positions).transpose(0, 1)[:, :, None]
         return rope[0], rope[1]
 
