@@ -15,7 +15,9 @@ order of the spec list, from rank 0.
 How a transfer runs (free to change, the bytes on the wire stay the same): up to `PIPELINE_DEPTH` broadcasts
 are in flight, so packing or unpacking one bucket overlaps the transfer of another; a bucket whose tensors
 already lie in memory as the wire lays them out is sent or received in place, and the others go through
-flat buffers that the group keeps and reuses across buckets and updates (`BucketBuffers`).
+flat buffers that the group keeps and reuses across buckets and updates (`BucketBuffers`). The trainer keeps
+its parameters laid out that way (`adopt_wire_layout`) and the embedded engine receives into buffers laid
+out that way, so neither copies a byte of a bucketed update.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class WeightUpdateGroup:
     device: torch.device
     store: dist.Store
     buffers: BucketBuffers = field(default_factory=BucketBuffers, repr=False)
+    send_plan: _SendPlan | None = field(default=None, repr=False)  # see broadcast_tensors
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.broadcast_async(tensor, src).wait()
@@ -135,6 +138,7 @@ class WeightUpdateGroup:
         self.pg = None  # type: ignore[assignment]
         self.store = None  # type: ignore[assignment]
         self.buffers.clear()
+        self.send_plan = None
         gc.collect()
 
 
@@ -297,6 +301,53 @@ def wire_buffers(specs: Sequence[TensorSpec], bucket_bytes: int = 0,
     return out
 
 
+def sibling_order(names: Sequence[str]) -> list[int]:
+    """An order for sending the parameters `names` (their indices) that puts the same parameter of sibling
+    modules back to back: `attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
+    attn.q_proj.bias, ...` instead of each module's weight and bias together. Inference engines fuse sibling
+    projections (q/k/v, gate/up) into one buffer of their weights stacked, so in this order such a buffer
+    arrives as one piece of a bucket and can be received in place instead of copied out of it. Otherwise the
+    order is kept (parents, and parameter names within a parent, in order of first appearance)."""
+    parents: dict[str, int] = {}
+    kinds: dict[tuple[str, str], int] = {}
+    keys = []
+    for i, name in enumerate(names):
+        module, _, attr = name.rpartition(".")
+        parent = module.rpartition(".")[0]
+        keys.append((parents.setdefault(parent, len(parents)), kinds.setdefault((parent, attr), len(kinds)), i))
+    return [i for _, _, i in sorted(keys)]
+
+
+def in_wire_layout(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> bool:
+    """Whether every bucket of `tensors` can be sent from (or received into) their own memory, as after
+    `adopt_wire_layout`: then an update needs no packing or unpacking copy."""
+    if not tensors:
+        return True
+    specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
+    device = tensors[0].device
+    return all(_wire_view(tensors, specs, b, device) is not None for b in _layout(specs, bucket_bytes))
+
+
+@torch.no_grad()
+def adopt_wire_layout(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[torch.Tensor]:
+    """Move `tensors` (all on one device) into memory laid out as the wire format lays them out: each keeps
+    its values and identity (an `nn.Parameter` stays the same parameter, its optimizer state still keyed to
+    it) but its `.data` becomes a view into one flat buffer per bucket. Returns the flat buffers, padding
+    zeroed. Tensors that share a flat buffer share a storage: anything that saves them must not deduplicate
+    by storage (safetensors does)."""
+    specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
+    views = wire_buffers(specs, bucket_bytes, tensors[0].device if tensors else "cpu")
+    flats: dict[int, torch.Tensor] = {}
+    for view in views:
+        storage = view.untyped_storage()
+        if storage.data_ptr() not in flats:
+            flats[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8, device=view.device).set_(storage).zero_()
+    for t, view in zip(tensors, views):
+        view.copy_(t)
+        t.data = view
+    return list(flats.values())
+
+
 def _wire_view(tensors: Sequence[torch.Tensor], specs: Sequence[TensorSpec], bucket: _Bucket,
                device: torch.device) -> torch.Tensor | None:
     """The bucket as a flat uint8 view of the tensors' own memory when they already lie there as the wire
@@ -388,36 +439,69 @@ def _pipelined(group: WeightUpdateGroup, buckets: Sequence[_Bucket],
         raise _check_timeout(e, group) from e
 
 
-def broadcast_tensors(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor], bucket_bytes: int = 0) -> int:
+@dataclass(frozen=True)
+class _SendPlan:
+    """What `broadcast_tensors` works out before sending (specs, buckets, which buckets go from the tensors'
+    own memory), kept by the group for the next call with the same tensors at the same addresses: every
+    update of a run sends the same parameters, and working it out again is latency before the first byte."""
+
+    key: tuple
+    specs: list[TensorSpec]
+    buckets: list[_Bucket]
+    views: list[torch.Tensor | None]
+    buffer_bytes: int  # the largest bucket that is packed
+
+
+def _send_plan(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> _SendPlan:
+    key = (bucket_bytes, tuple((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for t in tensors))
+    plan = group.send_plan
+    if plan is None or plan.key != key:
+        specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
+        buckets = _layout(specs, bucket_bytes)
+        detached = [t.detach() for t in tensors]
+        views = [_wire_view(detached, specs, b, group.device) for b in buckets]
+        packed = max((b.nbytes for b, v in zip(buckets, views) if v is None), default=0)
+        plan = group.send_plan = _SendPlan(key, specs, buckets, views, packed)
+    group.buffers.reserve(plan.buffer_bytes, group.device)
+    return plan
+
+
+def broadcast_tensors(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor], bucket_bytes: int = 0,
+                      ready: Callable[[], None] | None = None) -> int:
     """Rank 0: send `tensors` to every other member. Returns the bytes sent.
 
     A bucket whose tensors already lie in memory as the wire format lays them out (any contiguous tensor on
     the group's device per tensor, or of a multiple of `ALIGN` bytes alone in a bucket) is sent from their
     own memory; the others are packed into the group's reused buffers. The tensors must not change until
-    this returns."""
-    specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
-    sources = [t.detach() for t in tensors]
-    buckets = _layout(specs, bucket_bytes)
-    views = _wire_views(sources, specs, buckets, group)
+    this returns. `ready()`, when given, is called once all is set, just before the first broadcast (the
+    trainer posts the engines' update requests there, so they are handled while this process waits)."""
+    plan = _send_plan(group, tensors, bucket_bytes)
+    sources: list[torch.Tensor] = []
 
     def prepare(k: int, bucket: _Bucket) -> torch.Tensor:
-        flat = views[k]
+        flat = plan.views[k]
         if flat is None:
-            flat = _pack(sources, specs, bucket, group.buffers.slot(k, bucket.nbytes))
-        return _on_wire(flat, specs, bucket, bucket_bytes)
+            if not sources:
+                sources.extend(t.detach() for t in tensors)
+            flat = _pack(sources, plan.specs, bucket, group.buffers.slot(k, bucket.nbytes))
+        return _on_wire(flat, plan.specs, bucket, bucket_bytes)
 
-    _pipelined(group, buckets, prepare)
-    return sum(b.nbytes for b in buckets)
+    if ready is not None:
+        ready()
+    _pipelined(group, plan.buckets, prepare)
+    return sum(b.nbytes for b in plan.buckets)
 
 
 def receive_tensors(group: WeightUpdateGroup, specs: Sequence[TensorSpec], bucket_bytes: int = 0,
-                    out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                    out: Sequence[torch.Tensor] | None = None,
+                    on_bucket: Callable[[list[int]], None] | None = None) -> list[torch.Tensor]:
     """Rank > 0: receive the tensors described by `specs` from rank 0, into `out` when given.
 
     A bucket is received straight into `out` when its tensors lie there as the wire format lays them out
     (`wire_buffers`; per tensor, any contiguous tensor of the spec's dtype on the group's device); other
     buckets go through the group's reused buffers and are copied out. Without `out`, the result is
-    `wire_buffers` (no copies)."""
+    `wire_buffers` (no copies). `on_bucket(indices)` is called as soon as the tensors `indices` (of `specs`)
+    are in place, while later buckets are still arriving, so work on them overlaps the transfer."""
     if out is not None and len(out) != len(specs):
         raise ValueError(f"{len(out)} output tensors for {len(specs)} specs")
     result = list(out) if out is not None else wire_buffers(specs, bucket_bytes, group.device)
@@ -432,6 +516,8 @@ def receive_tensors(group: WeightUpdateGroup, specs: Sequence[TensorSpec], bucke
     def finish(k: int, bucket: _Bucket, received: torch.Tensor) -> None:
         if views[k] is None:
             _unpack(received, specs, bucket, result)
+        if on_bucket is not None:
+            on_bucket(bucket.indices)
 
     _pipelined(group, buckets, prepare, finish)
     return result

@@ -26,7 +26,7 @@ from pipelinerl.trainer import (
     lr_factor,
     save_checkpoint,
 )
-from pipelinerl.weight_sync import TensorSpec, plan_buckets
+from pipelinerl.weight_sync import TensorSpec, in_wire_layout, plan_buckets, sibling_order
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,12 @@ def assert_same_params(a, b, atol=0.0):
             torch.testing.assert_close(a[n], b[n], atol=atol, rtol=0, msg=n)
 
 
+def in_send_order(trainer):
+    """The trainer's parameters in the order a broadcast sends them."""
+    named = list(trainer.full_parameters())
+    return [named[i][1] for i in sibling_order([n for n, _ in named])]
+
+
 def seq_logprob(trainer, prompt, output):
     """log p(output | prompt) under the trainer's current policy (at its temperature)."""
     with torch.no_grad():
@@ -95,21 +101,23 @@ def engine_trainer(engine, tiny_model_dir):
 def test_broadcast_reaches_engine_bit_for_bit(engine, engine_trainer, bucket_mb):
     trainer, group = engine_trainer
     trainer.sync_cfg.bucket_mb = bucket_mb
-    before = httpx.get(f"{engine.url}/v1/weights/checksum").json()
-    trainer.optimizer_step(toy_batch())
-    named = list(trainer.full_parameters())
-    if bucket_mb:
-        assert len(plan_buckets([TensorSpec.of(n, t) for n, t in named], trainer.bucket_bytes)) >= 4
-    stats = trainer.broadcast_weights(group, [engine.url])
+    for i in range(3):  # in a row: the engine receives into two arenas in turn, the trainer sends in place
+        before = httpx.get(f"{engine.url}/v1/weights/checksum").json()
+        trainer.optimizer_step(toy_batch(i))
+        named = list(trainer.full_parameters())
+        if bucket_mb:
+            assert len(plan_buckets([TensorSpec.of(n, t) for n, t in named], trainer.bucket_bytes)) >= 4
+        stats = trainer.broadcast_weights(group, [engine.url])
 
-    after = httpx.get(f"{engine.url}/v1/weights/checksum").json()
-    local = tensor_checksums(dict(named))
-    assert after["version"] == trainer.version == stats.version
-    assert {n: after["checksums"][n] for n in local} == local
-    assert after["checksums"] != before["checksums"]
-    assert engine.info().weight_version == trainer.version
-    assert stats.bytes == sum(t.numel() * t.element_size() for _, t in named) and stats.seconds > 0
-    assert "lm_head.weight" not in dict(named), "a tied weight is sent once, under the embedding's name"
+        after = httpx.get(f"{engine.url}/v1/weights/checksum").json()
+        local = tensor_checksums(dict(trainer.full_parameters()))
+        assert after["version"] == trainer.version == stats.version
+        assert {n: after["checksums"][n] for n in local} == local
+        assert after["checksums"] != before["checksums"]
+        assert engine.info().weight_version == trainer.version
+        assert stats.bytes == sum(t.numel() * t.element_size() for _, t in named) and stats.seconds > 0
+        assert "lm_head.weight" not in dict(named), "a tied weight is sent once, under the embedding's name"
+        assert in_wire_layout(in_send_order(trainer), trainer.bucket_bytes)
 
 
 def test_engine_samples_are_on_policy_for_the_trainer(engine, engine_trainer):
@@ -164,6 +172,38 @@ def test_save_kill_resume_matches_uninterrupted_run(small_model_dir, tmp_path):
     for key in ("loss", "kl", "lr", "grad_norm"):
         assert got_next[key] == pytest.approx(expected_next[key], abs=1e-6), key
     assert got_next["ref_reset"] == expected_next["ref_reset"] == 1  # the reset clock survived the resume
+
+
+def test_parameters_laid_out_for_the_wire_train_save_and_resume_the_same(small_model_dir, tmp_path):
+    """A bucketed broadcast re-points the parameters into the wire's bucket buffers (so later broadcasts send
+    from them in place). Training, checkpoints (accelerate's safetensors saving deduplicates tensors by
+    storage) and resume must not see a difference."""
+    plain = Trainer(str(small_model_dir), resume_cfg(), seed=1)
+    laid = Trainer(str(small_model_dir), resume_cfg(), WeightSyncConfig(bucket_mb=0.01), seed=1)
+    assert laid.lay_out_for_broadcast()  # what the first bucketed broadcast_weights does
+    tensors = in_send_order(laid)
+    assert in_wire_layout(tensors, laid.bucket_bytes)
+    assert len(plan_buckets([TensorSpec.of(str(i), t) for i, t in enumerate(tensors)], laid.bucket_bytes)) >= 3
+    for i in range(3):
+        plain.optimizer_step(toy_batch(i))
+        laid.optimizer_step(toy_batch(i))
+    assert_same_params(params(laid), params(plain))
+    assert in_wire_layout(in_send_order(laid), laid.bucket_bytes)  # stepped in place
+    state = laid.unwrapped_model.state_dict()
+    assert state.keys() == plain.unwrapped_model.state_dict().keys()
+    assert len({t.untyped_storage().data_ptr() for t in state.values()}) == len(tensors)  # tied: one copy
+
+    save_checkpoint(laid, checkpoint_dir(tmp_path, 3), {})
+    resumed = Trainer(str(small_model_dir), resume_cfg(), seed=99)
+    load_checkpoint(resumed, checkpoint_dir(tmp_path, 3))
+    assert_same_params(params(resumed), params(plain))
+    load_checkpoint(laid, checkpoint_dir(tmp_path, 3))  # loading into laid-out parameters keeps the layout
+    assert in_wire_layout(in_send_order(laid), laid.bucket_bytes)
+    for i in range(3, 5):
+        for trainer in (plain, laid, resumed):
+            trainer.optimizer_step(toy_batch(i))
+    assert_same_params(params(laid), params(plain))
+    assert_same_params(params(resumed), params(plain))
 
 
 def test_latest_checkpoint_ignores_incomplete_and_overwrite_is_atomic(small_model_dir, tmp_path):
@@ -233,6 +273,8 @@ from test_trainer import ddp_batch, ddp_cfg, step_with_grads
 
 model_dir, out, ckpt = sys.argv[1:4]
 trainer = Trainer(model_dir, ddp_cfg())
+if trainer.accelerator.is_main_process:  # as a bucketed broadcast does, on the main process only
+    assert trainer.lay_out_for_broadcast()
 stats, grads = step_with_grads(trainer, ddp_batch())
 save_checkpoint(trainer, ckpt, {"rank_count": trainer.accelerator.num_processes})
 assert load_checkpoint(trainer, ckpt) == {"rank_count": 2}

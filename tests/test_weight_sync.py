@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipelinerl.procs import free_port
-from pipelinerl.weight_sync import TensorSpec, plan_buckets
+from pipelinerl.weight_sync import TensorSpec, adopt_wire_layout, in_wire_layout, plan_buckets
 
 PEER = str(Path(__file__).with_name("weight_sync_peer.py"))
 
@@ -32,9 +32,10 @@ def test_three_processes_receive_every_dtype_and_shape_bit_exactly(tmp_path):
         assert p.returncode == 0, f"rank {r} failed:\n{log}"
         results[r] = json.loads(out.read_text())
     for r in (1, 2):
-        for bucket_bytes in ("0", "256", "1048576"):
+        for bucket_bytes in ("0", "256", "1048576", "256-laid", "1048576-laid"):
             got = results[r][bucket_bytes]
             assert got["got"] == results[r]["expected"], f"rank {r}, bucket_bytes {bucket_bytes}"
+            assert got["arrived"] == list(range(6)), "on_bucket reports every tensor once, in order"
             assert got["dtypes"] == ["torch.float32", "torch.bfloat16", "torch.float16", "torch.float32",
                                      "torch.bfloat16", "torch.float32"]
             assert got["shapes"] == [[3, 5], [7], [2, 2, 3], [1000], [64, 33], [1]]
@@ -58,6 +59,24 @@ def test_bucket_plan_groups_consecutive_tensors_within_the_limit():
     assert plan_buckets(specs, 0) == [[0], [1], [2], [3], [4]]
     assert plan_buckets(specs, 32) == [[0, 1], [2], [3, 4]]
     assert plan_buckets(specs, 1 << 20) == [[0, 1, 2, 3, 4]]
+
+
+def test_adopting_the_wire_layout_keeps_values_and_parameters():
+    params = [torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(7).bfloat16()),
+              torch.nn.Parameter(torch.randn(100))]
+    values = [p.detach().clone() for p in params]
+    ids = [id(p) for p in params]
+    assert in_wire_layout(params, 0) and not in_wire_layout(params, 256)
+    flats = adopt_wire_layout(params, 256)
+    # 16-byte aligned: 64 + 16 (7 bf16 = 14 bytes, padded) in one bucket, 400 in its own
+    assert [f.numel() for f in flats] == [80, 400]
+    assert in_wire_layout(params, 256) and not in_wire_layout(params, 1 << 20)
+    assert [id(p) for p in params] == ids and all(isinstance(p, torch.nn.Parameter) for p in params)
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    assert flats[0][78:].tolist() == [0, 0], "padding is zeroed, so the bytes on the wire are deterministic"
+    with torch.no_grad():
+        params[1].add_(1)  # an in-place update (what the optimizer does) lands in the flat buffer
+    assert torch.equal(flats[0][64:78].view(torch.bfloat16), params[1])
 
 
 def test_bad_arguments_are_rejected_before_any_network_work():

@@ -13,7 +13,9 @@ import torch
 from pipelinerl.weight_sync import (
     TensorSpec,
     WeightSyncError,
+    adopt_wire_layout,
     broadcast_tensors,
+    in_wire_layout,
     init_weight_update_group,
     receive_tensors,
 )
@@ -50,13 +52,22 @@ def main() -> int:
         return 3
     expected = tensors()
     specs = [TensorSpec.of(str(i), t) for i, t in enumerate(expected)]
-    for bucket_bytes in (0, 256, 1 << 20):
+    # "-laid": the sender's tensors laid out as the wire lays them out (as the trainer's parameters are), so
+    # every bucket is sent from their own memory
+    for key, bucket_bytes in (("0", 0), ("256", 256), ("1048576", 1 << 20), ("256-laid", 256),
+                              ("1048576-laid", 1 << 20)):
         if rank == 0:
-            broadcast_tensors(group, expected, bucket_bytes)
+            sources = expected
+            if key.endswith("-laid"):
+                sources = [t.clone() for t in expected]
+                adopt_wire_layout(sources, bucket_bytes)
+                assert in_wire_layout(sources, bucket_bytes)
+            broadcast_tensors(group, sources, bucket_bytes)
         else:
-            got = receive_tensors(group, specs, bucket_bytes)
-            result[str(bucket_bytes)] = {"got": [digest(t) for t in got], "dtypes": [str(t.dtype) for t in got],
-                                         "shapes": [list(t.shape) for t in got]}
+            arrived: list[int] = []
+            got = receive_tensors(group, specs, bucket_bytes, on_bucket=arrived.extend)
+            result[key] = {"got": [digest(t) for t in got], "dtypes": [str(t.dtype) for t in got],
+                           "shapes": [list(t.shape) for t in got], "arrived": arrived}
     result["expected"] = [digest(t) for t in expected]
     torch.distributed.all_reduce(torch.ones(1))  # the default group still works
     group.destroy()

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import http.client
+import json
+import select
 import time
+import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+from pydantic import TypeAdapter
 
 from pipelinerl.contracts.inference import (
     GenerateRequest,
@@ -43,14 +49,18 @@ def _check(resp: httpx.Response) -> Any:
 
 
 class EngineClient:
-    """Blocking calls to one engine. Thread-safe (httpx.Client is)."""
+    """Blocking calls to one engine. Thread-safe (httpx.Client is), except that one weight update at a time
+    goes through `send_update` / `finish_update`."""
 
     def __init__(self, url: str, timeout_s: float = 600.0):
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._timeout_s = timeout_s
+        self._update_conn: http.client.HTTPConnection | None = None
 
     def close(self) -> None:
         self._http.close()
+        self.abandon_update()
 
     def health(self) -> bool:
         try:
@@ -98,6 +108,57 @@ class EngineClient:
     def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         return UpdateWeightsResponse.model_validate(self.post("/v1/weights/update", req.model_dump()))
 
+    # `update_weights` in two halves, so that the trainer's own thread can post an update to every engine, then
+    # broadcast, then read the answers: no hand-off to another thread on the update's critical path (each one
+    # is latency, the more so on a loaded machine). Over a plain keep-alive HTTP/1.1 connection of its own,
+    # since httpx cannot send a request without waiting for its answer.
+
+    def send_update(self, body: bytes) -> None:
+        """Post an update request (`update_request_body`) without waiting for the answer."""
+        conn = self._update_connection()
+        try:
+            conn.request("POST", f"{self._path_prefix}/v1/weights/update", body=body,
+                         headers={"content-type": "application/json"})
+        except Exception:
+            self.abandon_update()
+            raise
+
+    def finish_update(self) -> UpdateWeightsResponse:
+        """Wait for the answer to `send_update` (the engine answers once it received and switched)."""
+        conn = self._update_conn
+        if conn is None:
+            raise RuntimeError("finish_update without send_update")
+        try:
+            resp = conn.getresponse()
+            status, raw = resp.status, resp.read()
+        except Exception:
+            self.abandon_update()
+            raise
+        return UpdateWeightsResponse.model_validate(_check_body(self.url, status, raw))
+
+    def abandon_update(self) -> None:
+        """Drop the update connection (an answer that will not be read must not be read by the next one)."""
+        if self._update_conn is not None:
+            self._update_conn.close()
+            self._update_conn = None
+
+    @property
+    def _path_prefix(self) -> str:
+        return urllib.parse.urlsplit(self.url).path
+
+    def _update_connection(self) -> http.client.HTTPConnection:
+        conn = self._update_conn
+        if conn is not None and conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
+            # Readable while idle: the server closed the keep-alive connection (its idle timeout is shorter
+            # than the time between two updates). A request written into it would be lost; open a new one.
+            self.abandon_update()
+            conn = None
+        if conn is None:
+            parts = urllib.parse.urlsplit(self.url)
+            cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+            conn = self._update_conn = cls(parts.hostname or "127.0.0.1", parts.port, timeout=self._timeout_s)
+        return conn
+
 
 class AsyncEngineClient:
     """Non-blocking calls to one engine, for the asyncio actor; `in_flight` counts its open requests so
@@ -121,6 +182,17 @@ class AsyncEngineClient:
         return GenerateResponse.model_validate(_check(resp))
 
 
+def _check_body(url: str, status: int, raw: bytes) -> Any:
+    """`_check` for an answer read with http.client."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = raw.decode(errors="replace")
+    if status >= 400:
+        raise EngineError(url, status, body)
+    return body
+
+
 def _check_text(resp: httpx.Response) -> str:
     if resp.status_code >= 400:
         _check(resp)
@@ -131,19 +203,56 @@ def param_specs(named: Sequence[tuple[str, Any]]) -> list[ParamSpec]:
     return [ParamSpec(name=n, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape)) for n, t in named]
 
 
+_PARAM_LIST = TypeAdapter(list[ParamSpec])
+
+
+@functools.lru_cache(maxsize=8)
+def _params_json(params: tuple[tuple[str, str, tuple[int, ...]], ...]) -> str:
+    return _PARAM_LIST.dump_json([ParamSpec(name=n, dtype=d, shape=list(s)) for n, d, s in params]).decode()
+
+
+def update_request_body(named: Sequence[tuple[str, Any]], version: int, group_name: str,
+                        bucket_bytes: int) -> bytes:
+    """The JSON of an `UpdateWeightsRequest`. Every update of a run lists the same parameters, so their part
+    is serialised once and reused: building it per update is latency on the trainer's critical path (the
+    engines cannot start receiving before the request arrives)."""
+    params = _params_json(tuple((n, DTYPE_NAMES[t.dtype], tuple(t.shape)) for n, t in named))
+    head = json.dumps({"version": version, "group_name": group_name, "bucket_bytes": bucket_bytes})
+    return f'{head[:-1]}, "params": {params}}}'.encode()
+
+
 def push_weights(group: WeightUpdateGroup, engines: Sequence[EngineClient], named: Sequence[tuple[str, Any]],
                  version: int, bucket_bytes: int = 0) -> list[UpdateWeightsResponse]:
     """Rank 0: post the update to every engine and broadcast the tensors at the same time.
 
-    The engines' HTTP calls return only after they received the broadcast and switched, so they run on
-    threads while this thread broadcasts. Raises the first engine error after the broadcast has finished.
+    The engines answer only after they received the broadcast and switched, so the requests are sent first
+    (once the broadcast is ready to go: the engines handle them while this process waits, not competing for
+    the same cores), then the tensors broadcast, then the answers read. Raises the first engine error after
+    the broadcast has finished.
     """
-    req = UpdateWeightsRequest(version=version, params=param_specs(named), group_name=group.group_name,
-                               bucket_bytes=bucket_bytes)
-    with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
-        futures = [pool.submit(e.update_weights, req) for e in engines]
-        broadcast_tensors(group, [t for _, t in named], bucket_bytes)
-        return [f.result() for f in futures]
+    body = update_request_body(named, version, group.group_name, bucket_bytes)
+    sent: list[EngineClient] = []
+
+    def post_requests() -> None:  # once the broadcast is set to go: this process then waits, not computes
+        for e in engines:
+            e.send_update(body)
+            sent.append(e)
+
+    try:
+        broadcast_tensors(group, [t for _, t in named], bucket_bytes, ready=post_requests)
+    except BaseException:
+        for e in sent:
+            e.abandon_update()
+        raise
+    results, error = [], None
+    for e in engines:  # read every answer, even after an error, so that no connection is left mid-answer
+        try:
+            results.append(e.finish_update())
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
 
 
 def init_group_on_engines(engines: Sequence[EngineClient], master_address: str, master_port: int,

@@ -15,6 +15,7 @@ few places where sharding matters (gathering full parameters, the DeepSpeed back
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -45,7 +46,15 @@ from pipelinerl.rl.packing import PackedBatch, packed_logprobs
 from pipelinerl.samples import Sample
 from pipelinerl.trainer.batch import MicroBatch, StepBatch, build_step, filler_micro_batch, pad_micro_batches
 from pipelinerl.trainer.optim import build_optimizer, build_scheduler
-from pipelinerl.weight_sync import DTYPES, WeightUpdateGroup, init_weight_update_group, total_bytes
+from pipelinerl.weight_sync import (
+    DTYPES,
+    WeightUpdateGroup,
+    adopt_wire_layout,
+    in_wire_layout,
+    init_weight_update_group,
+    sibling_order,
+    total_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +67,7 @@ _SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 _SUM_KEYS = ("loss", "tokens", "kl", "entropy", "clip_low", "clip_high", "w", "w2")
 
 
+@functools.lru_cache(maxsize=65536)  # called for every parameter of every update; names repeat
 def clean_name(name: str) -> str:
     """The Hugging Face name of a parameter seen through wrappers (`module.model.x` -> `model.x`)."""
     while name.startswith(_PREFIXES):
@@ -73,6 +83,16 @@ def make_accelerator(cfg: TrainerConfig) -> Accelerator:
     if mixed == "auto":
         mixed = "no" if cpu else "bf16"
     return Accelerator(cpu=cpu, mixed_precision=mixed)
+
+
+def _in_wire_order(named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    """`named` in the order updates send them (`sibling_order`)."""
+    return [named[i] for i in _wire_order(tuple(n for n, _ in named))]
+
+
+@functools.lru_cache(maxsize=8)
+def _wire_order(names: tuple[str, ...]) -> list[int]:
+    return sibling_order(names)
 
 
 @contextlib.contextmanager
@@ -158,6 +178,9 @@ class Trainer:
         self._version = 0
         self.step = 0  # optimizer_step calls, skipped ones included
         self._clients: dict[str, EngineClient] = {}
+        self._wire_flats: list[Tensor] = []  # see _keep_wire_layout
+        self._wire_where: tuple[int, list[int]] | None = None
+        self._state_dict_hook: Any = None
 
     # --- setup -----------------------------------------------------------------------------------------------
 
@@ -231,8 +254,17 @@ class Trainer:
         elif self.is_fsdp:
             yield from self._fsdp_parameters(all_ranks)
         else:
-            for name, p in self.unwrapped_model.named_parameters():
-                yield clean_name(name), p.detach().to(self.weights_dtype)
+            dtype = self.weights_dtype
+            for name, p in self._named_live_parameters:
+                t = p.detach()
+                yield name, t if t.dtype == dtype else t.to(dtype)
+
+    @functools.cached_property
+    def _named_live_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(clean name, parameter) of the unsharded model, walked once: the parameters stay the same objects
+        for the whole run (the optimizer holds them too), and walking the module tree again on every
+        broadcast is latency before the engines even hear of the update."""
+        return [(clean_name(n), p) for n, p in self.unwrapped_model.named_parameters()]
 
     def _zero3_parameters(self, all_ranks: bool) -> Iterator[tuple[str, Tensor]]:
         """Gather ZeRO-3 partitions a bucket (about `bucket_mb`) at a time, so one gather serves many small
@@ -297,10 +329,61 @@ class Trainer:
         named = list(self.full_parameters())
         if not self.accelerator.is_main_process:
             return BroadcastStats(self.version, 0, 0.0)
+        named = _in_wire_order(named)
+        if self._keep_wire_layout(named):
+            named = _in_wire_order(list(self.full_parameters()))
         if group is None:
             raise ValueError("the main process needs the weight-update group (see connect_engines)")
         push_weights(group, [self._client(u) for u in engine_urls], named, self.version, self.bucket_bytes)
         return BroadcastStats(self.version, total_bytes(t for _, t in named), time.perf_counter() - start)
+
+    def lay_out_for_broadcast(self) -> bool:
+        """Lay the parameters out for the bucket size now (the first bucketed broadcast does it otherwise);
+        returns whether they moved. Main process only. See `_keep_wire_layout`."""
+        return self._keep_wire_layout(_in_wire_order(list(self.full_parameters())))
+
+    def _keep_wire_layout(self, named: Sequence[tuple[str, Tensor]]) -> bool:
+        """Keep the live parameters laid out in memory as the wire format lays out an update (one flat buffer
+        per `bucket_mb` bucket, each parameter a view into it), so each bucket is broadcast straight from the
+        parameters' memory instead of being packed into a buffer first: a copy of the whole model per update
+        saved, on the same cores that move the bytes. Re-laid only when the bucket size or device changed.
+
+        Only where the broadcast tensors are the live parameters themselves (unsharded, already in the
+        engines' dtype); parameters stay the same `nn.Parameter` objects, so the optimizer is unaffected.
+        `named`: what `full_parameters` gave for this update, in the order it is sent; returns whether the
+        parameters moved (then it is stale)."""
+        if self.is_zero3 or self.is_fsdp or self.bucket_bytes <= 0:
+            return False
+        where = (self.bucket_bytes, [t.data_ptr() for _, t in named])
+        if where == self._wire_where:  # every update but the first: nothing moved since it was laid out
+            return False
+        params = [p for _, p in _in_wire_order(self._named_live_parameters)]
+        if any(p.dtype != self.weights_dtype or p.device != params[0].device for p in params):
+            return False
+        moved = not in_wire_layout(params, self.bucket_bytes)
+        if moved:
+            self._wire_flats = adopt_wire_layout(params, self.bucket_bytes)
+            log.info("parameters laid out for the wire: %d buckets of up to %g MB", len(self._wire_flats),
+                     self.sync_cfg.bucket_mb)
+            if self._state_dict_hook is None:
+                self._state_dict_hook = self.unwrapped_model.register_state_dict_post_hook(
+                    lambda _module, state_dict, _prefix, _meta: self._unalias_state_dict(state_dict))
+        self._wire_where = (self.bucket_bytes, [p.data_ptr() for p in params])
+        return moved
+
+    def _unalias_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Give `state_dict()` its own copy of every parameter that shares a wire buffer: savers that
+        deduplicate tensors by storage (accelerate's and safetensors') would otherwise keep one parameter
+        per bucket and silently drop the rest. Tied names still share one copy."""
+        flats = {f.untyped_storage().data_ptr() for f in self._wire_flats}
+        copies: dict[tuple, Tensor] = {}
+        for name, t in state_dict.items():
+            # keep_vars=True asks for the parameters themselves, not their values
+            if isinstance(t, Tensor) and not isinstance(t, nn.Parameter) and t.untyped_storage().data_ptr() in flats:
+                key = (t.data_ptr(), t.dtype, tuple(t.shape))
+                if key not in copies:
+                    copies[key] = t.clone()
+                state_dict[name] = copies[key]
 
     def close(self) -> None:
         for client in self._clients.values():

@@ -4,7 +4,7 @@ Data flow: HTTP handlers (asyncio) validate a request and queue it; the engine t
 between decode steps (prefill once per prompt, its KV cache copied to the n samples), decodes all running
 sequences together, and resolves each request's future when its last sample ends. A weight update is received
 into a spare copy of the weights' storage on a worker thread while decoding goes on; the engine thread swaps
-spare and live storage at the next step boundary (no copy: see `_SpareWeights`), so running sequences continue
+spare and live storage at the next step boundary (no copy: see `spare_weights`), so running sequences continue
 from their KV cache under the new weights and every later token carries the new version.
 """
 
@@ -40,6 +40,7 @@ from pipelinerl.contracts.inference import (
 )
 from pipelinerl.engines.embedded.model_runner import copy_slot, make_runner
 from pipelinerl.engines.embedded.sampling import SamplingBatch, sample_batch
+from pipelinerl.engines.embedded.spare_weights import SpareWeights
 from pipelinerl.engines.server import ContractError, render_metrics
 from pipelinerl.weight_sync import (
     DTYPE_NAMES,
@@ -119,76 +120,6 @@ class _PendingSwitch:
     switch_s: float = 0.0
 
 
-class _Storage:
-    """One tensor whose storage a switch replaces: a parameter, or a buffer several parameters are row slices
-    of (the runner's fused q/k/v and gate/up). `members`: (parameter, first row, end row), rows None for the
-    tensor itself. The spare is a clone made at the first update, so rows no member covers stay right."""
-
-    def __init__(self, live: torch.Tensor, members: list[tuple[torch.Tensor, int | None, int | None]]):
-        self.live, self.members = live, members
-        self.spare: torch.Tensor | None = None
-
-    def spare_view(self, member: int) -> torch.Tensor:
-        if self.spare is None:
-            self.spare = self.live.detach().clone()
-        _, start, end = self.members[member]
-        return self.spare if start is None else self.spare[start:end]
-
-    def swap(self) -> None:
-        """Make the spare live and the live storage the next spare: assignments, no copy."""
-        old = self.live.data
-        self.live.data = self.spare
-        self.spare = old
-        for param, start, end in self.members:
-            if start is not None:
-                param.data = self.live.data[start:end]
-
-    def copy_member(self, member: int) -> None:
-        with torch.no_grad():
-            self.members[member][0].copy_(self.spare_view(member))
-
-
-class _SpareWeights:
-    """Double-buffered weights for in-flight updates. An update is received into a spare copy of the weights'
-    storage while decoding goes on; the switch then swaps spare and live storage tensor by tensor, so the
-    decode pause is microseconds per tensor whatever the model size, instead of a copy of every weight (any
-    unpacking copy of a bucketed update runs on the receiving thread, overlapped with decoding). A shared
-    buffer that an update covers only in part is copied member by member instead.
-
-    Reusing the spare is safe: the next update cannot start receiving before the switch that made the
-    previous one live is done (the update lock is held until then)."""
-
-    def __init__(self, params: dict[str, torch.Tensor], fused_groups: list) -> None:
-        where: dict[int, tuple[_Storage, int]] = {}
-        for buffer, members in fused_groups:
-            storage = _Storage(buffer, list(members))
-            for i, (param, _, _) in enumerate(members):
-                where[id(param)] = (storage, i)
-        self._where: dict[str, tuple[_Storage, int]] = {}
-        for name, param in params.items():  # tied parameters share one entry
-            if id(param) not in where:
-                where[id(param)] = (_Storage(param, [(param, None, None)]), 0)
-            self._where[name] = where[id(param)]
-
-    def staging(self, name: str) -> torch.Tensor:
-        """Where the update's tensor for parameter `name` is received."""
-        storage, member = self._where[name]
-        return storage.spare_view(member)
-
-    def switch(self, names: list[str]) -> None:
-        """Make the received tensors of `names` live. Call between decode steps only."""
-        covered: dict[int, tuple[_Storage, set[int]]] = {}
-        for name in names:
-            storage, member = self._where[name]
-            covered.setdefault(id(storage), (storage, set()))[1].add(member)
-        for storage, members in covered.values():
-            if len(members) == len(storage.members):
-                storage.swap()
-            else:
-                for member in members:
-                    storage.copy_member(member)
-
-
 class Metrics:
     def __init__(self) -> None:
         self.generated_tokens = 0
@@ -222,7 +153,7 @@ class EmbeddedEngine:
         self.version = settings.initial_version
         self.metrics = Metrics()
         self._group: WeightUpdateGroup | None = None
-        self._spare = _SpareWeights(self.params, getattr(self.runner, "fused_groups", []))
+        self._spare = SpareWeights(self.params, getattr(self.runner, "fused_groups", []))
         self._update_lock = asyncio.Lock()
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
@@ -230,6 +161,7 @@ class EmbeddedEngine:
         self._running: list[_Seq] = []
         self._reserved_tokens = 0
         self._pending: _PendingSwitch | None = None
+        self._parked = False  # the engine thread waits for work, holding nothing
         self._abort_flag = False
         self._stopped = False
         self._batch: _DecodeBatch | None = None
@@ -324,18 +256,13 @@ class EmbeddedEngine:
                 await asyncio.to_thread(receive_tensors, group, specs, req.bucket_bytes)
                 self.metrics.refused_updates += 1
                 raise ContractError(400, problem[1], problem[0], "mismatched_update")
+            pending = _PendingSwitch(req.version, [s.name for s in specs])
             try:
-                await asyncio.to_thread(self._receive, group, specs, req.bucket_bytes)
+                received = await asyncio.to_thread(self._receive_and_switch, group, specs, req.bucket_bytes,
+                                                   pending)
             except WeightSyncError as e:
                 raise ContractError(504, str(e), type="weight_sync_error") from None
-            receive_s = time.perf_counter() - t0
-            pending = _PendingSwitch(req.version, [s.name for s in specs])
-            with self._cv:
-                self._pending = pending
-                self._cv.notify()
-            while not await asyncio.to_thread(pending.done.wait, 1.0):
-                if not self._thread.is_alive():
-                    raise ContractError(500, "engine thread died before switching weights", type="engine_error")
+            receive_s = received - t0
             nbytes = sum(s.nbytes for s in specs)
             m = self.metrics
             m.updates += 1
@@ -442,9 +369,27 @@ class EmbeddedEngine:
                                           f"the update says {p.dtype}")
         return None
 
-    def _receive(self, group: WeightUpdateGroup, specs: list[TensorSpec], bucket_bytes: int) -> None:
-        """Receive a checked update into the spare weights (on a worker thread, while decoding goes on)."""
-        receive_tensors(group, specs, bucket_bytes, [self._spare.staging(s.name) for s in specs])
+    def _receive_and_switch(self, group: WeightUpdateGroup, specs: list[TensorSpec], bucket_bytes: int,
+                            pending: _PendingSwitch) -> float:
+        """On a worker thread: receive a checked update into the spare weights while decoding goes on, then
+        have the engine thread switch at its next step boundary (or switch here if it is idle), and wait for
+        that here (not in another thread hop: every hop is latency the trainer waits through). Returns when
+        the receive ended."""
+        plan = self._spare.staging(specs, bucket_bytes, group.device)
+        receive_tensors(group, specs, bucket_bytes, plan.targets, on_bucket=plan.after_bucket)
+        received = time.perf_counter()
+        with self._cv:
+            self._pending = pending
+            if self._parked:
+                # Nothing is running and the engine thread cannot leave its wait while we hold the lock, so no
+                # step can run: switch here, sparing two thread wake-ups (the engine thread's and ours).
+                self._switch_weights()
+            else:
+                self._cv.notify()
+        while not pending.done.wait(1.0):
+            if not self._thread.is_alive():
+                raise ContractError(500, "engine thread died before switching weights", type="engine_error")
+        return received
 
     # --- the engine thread ---------------------------------------------------------------------------------
 
@@ -452,7 +397,9 @@ class EmbeddedEngine:
         while True:
             with self._cv:
                 while not (self._running or self._waiting or self._pending or self._abort_flag or self._stopped):
+                    self._parked = True  # see _receive_and_switch
                     self._cv.wait()
+                self._parked = False
                 if self._stopped:
                     return
             try:
