@@ -151,6 +151,16 @@ def _destroy_live_groups() -> None:
         group.destroy()
 
 
+def host_rendezvous(master_address: str, world_size: int, timeout_s: float = 120.0) -> dist.TCPStore:
+    """Rank 0's store on a port the kernel picks (`.port`): nothing can take the port between choosing it and
+    listening on it, which a port picked in advance cannot promise. Pass it to `init_weight_update_group`."""
+    try:
+        return dist.TCPStore(master_address, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False, use_libuv=True)
+    except Exception as e:
+        raise _as_sync_error(e, f"rank 0 could not listen on {master_address}", timeout_s) from e
+
+
 def init_weight_update_group(
     master_address: str,
     master_port: int,
@@ -159,8 +169,10 @@ def init_weight_update_group(
     backend: str = "gloo",
     group_name: str = "weight_update",
     timeout_s: float = 120.0,
+    store: dist.TCPStore | None = None,
 ) -> WeightUpdateGroup:
     """Join (rank > 0) or host (rank 0) the group. Every member calls this; it returns once all have joined.
+    Rank 0 may pass the `store` it already hosts (see `host_rendezvous`).
 
     Raises `WeightSyncTimeout` when some member does not join within `timeout_s`.
     """
@@ -171,8 +183,9 @@ def init_weight_update_group(
     timeout = timedelta(seconds=timeout_s)
     deadline = time.monotonic() + timeout_s
     try:
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                              timeout=timeout, wait_for_workers=False, use_libuv=True)
+        if store is None:
+            store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
+                                  timeout=timeout, wait_for_workers=False, use_libuv=True)
     except Exception as e:  # connection refused until the master is up is retried inside; this is final
         raise _as_sync_error(e, f"rank {rank} could not reach the rendezvous at {master_address}:{master_port}",
                              timeout_s) from e

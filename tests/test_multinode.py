@@ -90,6 +90,6 @@ def test_an_engine_dying_on_another_node_stops_the_run_naming_it(tmp_path):
     out0 = output(run_dir, 0)
     assert "node 1 failed: engine0 exited with code -9" in out0, out0[-3000:]
     # node 0 stopped its own processes on the way out
-    for name, pid in json.loads((run_dir / "pids.json").read_text()).items():
+    for pid in json.loads((run_dir / "pids.json").read_text()).values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

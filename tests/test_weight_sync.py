@@ -86,3 +86,23 @@ def test_bad_arguments_are_rejected_before_any_network_work():
         init_weight_update_group("127.0.0.1", free_port(), 0, 2, backend="mpi")
     with pytest.raises(ValueError, match="rank 2"):
         init_weight_update_group("127.0.0.1", free_port(), 2, 2)
+
+
+def test_rank_zero_can_host_on_a_port_the_kernel_picks():
+    """master_port 0: rank 0 listens first and hands the port to the others, so no one can take it in between."""
+    import threading
+
+    from pipelinerl.weight_sync import host_rendezvous, init_weight_update_group
+
+    store = host_rendezvous("127.0.0.1", world_size=2, timeout_s=30)
+    assert store.port > 0
+    groups = {}
+    peer = threading.Thread(target=lambda: groups.setdefault(1, init_weight_update_group(
+        "127.0.0.1", store.port, 1, 2, group_name="picked_port", timeout_s=30)))
+    peer.start()
+    groups[0] = init_weight_update_group("127.0.0.1", store.port, 0, 2, group_name="picked_port", timeout_s=30,
+                                         store=store)
+    peer.join(timeout=30)
+    assert set(groups) == {0, 1}
+    for g in groups.values():
+        g.destroy()

@@ -32,7 +32,6 @@ from transformers import AutoModelForCausalLM
 from pipelinerl.config import TrainerConfig, WeightSyncConfig
 from pipelinerl.contracts.trainer import BroadcastStats
 from pipelinerl.engines.client import EngineClient, init_group_on_engines, push_weights
-from pipelinerl.procs import free_port
 from pipelinerl.rl.kl import ReferenceResetPolicy, kl_estimate, reset_reference
 from pipelinerl.rl.losses import (
     aggregate,
@@ -50,6 +49,7 @@ from pipelinerl.weight_sync import (
     DTYPES,
     WeightUpdateGroup,
     adopt_wire_layout,
+    host_rendezvous,
     in_wire_layout,
     init_weight_update_group,
     sibling_order,
@@ -308,13 +308,16 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return None
         s = self.sync_cfg
-        # Picked now rather than at launch: a port chosen minutes earlier may be taken by the time we bind it.
-        port = s.master_port or free_port()
+        world = 1 + ranks_per_engine * len(engine_urls)
+        # master_port 0: listen first on a port the kernel picks, then tell the engines; a port chosen in
+        # advance may be taken by someone else before we listen on it.
+        store = host_rendezvous(s.master_address, world, s.timeout_s) if not s.master_port else None
+        port = store.port if store is not None else s.master_port
         world, futures = init_group_on_engines([self._client(u) for u in engine_urls], s.master_address,
                                                port, s.backend, s.group_name, s.timeout_s,
                                                ranks_per_engine)
         group = init_weight_update_group(s.master_address, port, 0, world, s.backend, s.group_name,
-                                         s.timeout_s)
+                                         s.timeout_s, store=store)
         for f in futures:
             f.result()
         return group
