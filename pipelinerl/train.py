@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -59,19 +60,33 @@ class SampleFeed:
                 self.consumed += 1
         return out
 
-    def take_fresh(self, n: int, version: int, max_lag: int) -> tuple[list[Sample], int]:
+    def take_fresh(self, n: int, version: int, max_lag: int,
+                   on_dropped: Callable[[], None] = lambda: None) -> tuple[list[Sample], int]:
         """The next `n` samples at most `max_lag` versions behind `version`, and how many stale ones were skipped
         on the way. A skipped sample is replaced by the next one in the stream, so every step trains on a full
-        batch (a group that finished late, behind younger ones, can be older than the actor planned)."""
+        batch (a group that finished late, behind younger ones, can be older than the actor planned).
+
+        `on_dropped` runs before waiting for replacements: the actor plans from the count of samples taken, and
+        must hear that more are needed or it would wait for the trainer while the trainer waits for it."""
         fresh: list[Sample] = []
         dropped = 0
         while len(fresh) < n:
-            for sample in self.take(n - len(fresh)):
-                if sample.lag(version) <= max_lag:
-                    fresh.append(sample)
-                else:
-                    dropped += 1
+            taken = self.take_available(n - len(fresh))
+            young = [s for s in taken if s.lag(version) <= max_lag]
+            fresh += young
+            dropped += len(taken) - len(young)
+            if len(young) < len(taken) and len(fresh) < n:
+                on_dropped()
         return fresh, dropped
+
+    def take_available(self, n: int) -> list[Sample]:
+        """Up to `n` samples: those in the stream now, or (if none) the first to arrive."""
+        self._fill(block=True)
+        out = []
+        while self.buffer and len(out) < n:
+            out.append(Sample.model_validate(self.buffer.popleft()))
+            self.consumed += 1
+        return out
 
 
 def batch_metrics(batch: list[Sample]) -> dict[str, float]:
@@ -111,7 +126,10 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
             metrics.write(evaluator.run(0, time.monotonic() - started, feed.consumed))
         last = time.monotonic()
         while trainer.version < cfg.trainer.max_steps:
-            batch, dropped = feed.take_fresh(cfg.trainer.samples_per_step, trainer.version, cfg.actor.max_lag)
+            batch, dropped = feed.take_fresh(
+                cfg.trainer.samples_per_step, trainer.version, cfg.actor.max_lag,
+                on_dropped=lambda: announce(control, {"kind": "version", "version": trainer.version,
+                                                      "consumed": feed.consumed}))
             stale_dropped += dropped
             waited = time.monotonic() - last
             stats = trainer.optimizer_step(batch)
