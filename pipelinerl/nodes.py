@@ -73,12 +73,12 @@ class NodeRendezvous:
 
     def gather_engines(self, local_urls: list[str], check: Callable[[], None]) -> list[str]:
         """Node 0: every node's engine URLs in node order, its own first. `check` raises if something died."""
+        def check_all() -> None:
+            check()
+            self.raise_if_failed()
+
         urls = list(local_urls)
         for rank in range(1, self.node.world_size):
-            def check_all() -> None:
-                check()
-                self.raise_if_failed()
-
             urls += list(self._wait_for(f"engines/{rank}", f"engines from node {rank}", check_all))
         return urls
 

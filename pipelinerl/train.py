@@ -51,15 +51,6 @@ class SampleFeed:
                 return
             time.sleep(0.02)
 
-    def take(self, n: int) -> list[Sample]:
-        out = []
-        while len(out) < n:
-            self._fill(block=True)
-            while self.buffer and len(out) < n:
-                out.append(Sample.model_validate(self.buffer.popleft()))
-                self.consumed += 1
-        return out
-
     def take_fresh(self, n: int, version: int, max_lag: int,
                    on_dropped: Callable[[], None] = lambda: None) -> tuple[list[Sample], int]:
         """The next `n` samples at most `max_lag` versions behind `version`, and how many stale ones were skipped
