@@ -315,3 +315,32 @@ def test_info_and_metrics(engine):
                 "pipelinerl_weight_update_switch_seconds_total"):
         assert key in m
     assert m["pipelinerl_generated_tokens_total"] > 0
+
+
+def test_burst_of_requests_is_admitted_as_one_prefill(tiny_model_dir):
+    """Requests submitted together (one asyncio.gather) reach the engine thread together: one admission, one
+    batched prefill, every sequence in step."""
+    import asyncio
+
+    from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
+    from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    engine = EmbeddedEngine(model, str(tiny_model_dir), EngineSettings(max_running_seqs=16, max_model_len=64))
+    params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+
+    async def burst(k):
+        return await asyncio.gather(*(engine.generate(GenerateRequest(prompt_token_ids=[5 + i, 6, 7], sampling=params))
+                                      for i in range(k)))
+
+    try:
+        loop = asyncio.new_event_loop()
+        for k in (12, 3, 16):
+            before = (engine.metrics.admissions, engine.metrics.decode_steps)
+            responses = loop.run_until_complete(burst(k))
+            assert [len(r.completions[0].token_ids) for r in responses] == [5] * k
+            assert engine.metrics.admissions - before[0] == 1, f"a burst of {k} was admitted in several waves"
+            assert engine.metrics.decode_steps - before[1] == 4  # the first token comes from the prefill
+        loop.close()
+    finally:
+        engine.shutdown()

@@ -126,6 +126,7 @@ class Metrics:
         self.decode_steps = 0
         self.decode_seconds = 0.0
         self.requests_finished = 0
+        self.admissions = 0  # batched prefills of newly admitted requests
         self.updates = 0
         self.updates_while_running = 0
         self.update_bytes = 0
@@ -157,12 +158,14 @@ class EmbeddedEngine:
         self._update_lock = asyncio.Lock()
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
+        self._incoming: list[_Request] = []  # submitted, handed to the engine thread by `_wake`
         self._requests: dict[str, _Request] = {}
         self._running: list[_Seq] = []
         self._reserved_tokens = 0
         self._pending: _PendingSwitch | None = None
         self._parked = False  # the engine thread waits for work, holding nothing
         self._abort_flag = False
+        self._wake_scheduled = False
         self._stopped = False
         self._batch: _DecodeBatch | None = None
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -176,13 +179,28 @@ class EmbeddedEngine:
             if request.id in self._requests:
                 raise ContractError(409, f"request_id {request.id!r} is already running", "request_id")
             self._requests[request.id] = request
-            self._waiting.append(request)
-            self._cv.notify()
+            self._incoming.append(request)
+            wake = not self._wake_scheduled
+            self._wake_scheduled = True
+        if wake:
+            # Requests reach the engine thread once the event loop has run every task that is ready now: a
+            # burst (asyncio.gather of a batch, the prompts of an actor step) is then admitted and prefilled as
+            # one batch. Seen at once, a burst was admitted in two or three waves, each a separate prefill,
+            # with the sequences out of step (the engine thread takes the GIL from the submitting loop).
+            request.loop.call_soon(self._wake)
         try:
             return await request.future
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
             await self.abort(request.id)
             raise
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._wake_scheduled = False
+            self._waiting.extend(self._incoming)
+            self._abort_flag |= any(r.aborted for r in self._incoming)  # aborted before the engine saw them
+            self._incoming.clear()
+            self._cv.notify()
 
     async def completions(self, req: CompletionsRequest) -> CompletionsResponse:
         if self.tokenizer is None:
@@ -289,7 +307,7 @@ class EmbeddedEngine:
     def metrics_text(self) -> str:
         m = self.metrics
         with self._cv:
-            running, waiting = len(self._running), len(self._waiting)
+            running, waiting = len(self._running), len(self._waiting) + len(self._incoming)
         rows = [
             ("running_seqs", "gauge", running, "sequences being decoded"),
             ("waiting_requests", "gauge", waiting, "requests queued for admission"),
@@ -300,6 +318,7 @@ class EmbeddedEngine:
             ("tokens_per_second", "gauge", m.generated_tokens / max(m.decode_seconds, 1e-9),
              "generated tokens per second of decoding"),
             ("requests_finished_total", "counter", m.requests_finished, "requests completed"),
+            ("admissions_total", "counter", m.admissions, "batches of requests admitted, each one prefill"),
             ("weight_updates_total", "counter", m.updates, "weight updates applied"),
             ("weight_updates_while_running_total", "counter", m.updates_while_running,
              "updates applied while sequences were running"),
@@ -455,6 +474,7 @@ class EmbeddedEngine:
             req.seqs = [_Seq(req, head + i, -1, self._generator(req.params, i)) for i in range(req.params.n)]
             seqs.extend(req.seqs)
         logits = self.runner.prefill_batch(heads, [req.prompt for req in batch])
+        self.metrics.admissions += 1
         for req, head in zip(batch, heads):
             for i in range(1, req.params.n):
                 copy_slot(self.runner, head, head + i, len(req.prompt))
@@ -509,8 +529,8 @@ class EmbeddedEngine:
         logits = self.runner.decode(batch.tokens, batch.positions, batch.span)
         tokens, logprobs = sample_batch(logits, batch.sampling)
         batch.advance(tokens)
+        self.metrics.decode_steps += 1  # before `_append` answers finished requests
         self._append(self._running, tokens.tolist(), logprobs.tolist())  # a retirement drops the batch
-        self.metrics.decode_steps += 1
         self.metrics.decode_seconds += time.perf_counter() - t0
 
     def _append(self, seqs: list[_Seq], tokens: list[int], logprobs: list[float]) -> None:
@@ -566,6 +586,7 @@ class EmbeddedEngine:
             reqs = list(self._requests.values())
             self._requests.clear()
             self._waiting.clear()
+            self._incoming.clear()
         self._running.clear()
         self._reserved_tokens = 0
         self._batch = None
