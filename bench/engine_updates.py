@@ -40,15 +40,32 @@ THREADS = 1
 BUCKET_BYTES = 0  # push_weights' default: one broadcast per tensor, received in place (the lightest on both sides)
 WINDOW_S, QUICK_WINDOW_S = 4.0, 2.0
 ROUNDS, QUICK_ROUNDS = 7, 3  # windows with updates; each sits between two windows without
+# The engine's recommended setup on a CPU machine (`--decode-cpus`, pipelinerl/engines/embedded/cpus.py): its
+# decoding on THREADS cores of its own, weight receiving and this process (the trainer's broadcast, the load)
+# on the rest. Set it False to measure everything sharing every core (about 70% kept on 2 cores).
+SPLIT_CPUS = True
+
+
+def cpu_split() -> tuple[list[int], list[int]] | None:
+    """(the engine's decoding CPUs, everyone else's), or None when there are too few CPUs to split."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not SPLIT_CPUS or len(allowed) <= THREADS:
+        return None
+    return allowed[:THREADS], allowed[THREADS:]
 
 
 def run(quick: bool = False) -> dict:
     """Start an engine, saturate it, alternate windows without and with updates; returns the result."""
     torch.set_num_threads(THREADS)
     window_s, rounds = (QUICK_WINDOW_S, QUICK_ROUNDS) if quick else (WINDOW_S, ROUNDS)
+    split = cpu_split()
+    allowed = os.sched_getaffinity(0) if split else None
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_model(tmp, HIDDEN, LAYERS)
-        client, proc = _start_engine(path, Path(tmp))
+        client, proc = _start_engine(path, Path(tmp), split)
+        if split:
+            os.sched_setaffinity(0, split[1])  # this thread, and the threads it starts from now on
+
         trainer = None
         load = None
         try:
@@ -65,7 +82,9 @@ def run(quick: bool = False) -> dict:
                 trainer.close()
             client.close()
             _stop(proc)
-    return _result(settings, windows, final, trainer, load.errors, window_s, rounds)
+            if allowed:
+                os.sched_setaffinity(0, allowed)
+    return _result(settings, windows, final, trainer, load.errors, window_s, rounds, split)
 
 
 class Trainer:
@@ -205,7 +224,7 @@ def _window(client, trainer: Trainer, cpu: ThreadCpu, window_s: float, updates: 
 
 
 def _result(model: dict, windows: list[dict], final: dict, trainer: Trainer, errors: list[str], window_s: float,
-            rounds: int) -> dict:
+            rounds: int, split: tuple[list[int], list[int]] | None) -> dict:
     baseline, updating = _mean(windows, "tokens_per_s", False), _mean(windows, "tokens_per_s", True)
     kept = _round_ratios(windows, "tokens_per_s")
     per_cpu = (_round_ratios(windows, "tokens_per_decode_cpu_s")
@@ -248,8 +267,12 @@ def _result(model: dict, windows: list[dict], final: dict, trainer: Trainer, err
                      "concurrent_requests": CONCURRENT, "prompt_len": PROMPT_LEN, "max_new_tokens": MAX_NEW,
                      "sampling": "temperature 1.0, EOS ignored", "bucket_bytes": BUCKET_BYTES,
                      "backend": "gloo (loopback)", "window_s": window_s, "windows_with_updates": rounds,
-                     "note": "the trainer (this process) and the engine share the machine's cores: the broadcast "
-                             "and the engine's receiving thread compete with decoding"},
+                     "decode_cpus": split[0] if split else "all",
+                     "trainer_and_receive_cpus": split[1] if split else "all",
+                     "note": ("the engine decodes on decode_cpus; its receiving threads and this process (the "
+                              "trainer's broadcast, the load's clients) run on the other CPUs") if split else
+                             ("the trainer (this process) and the engine share every core: the broadcast and "
+                              "the engine's receiving thread compete with decoding")},
         "machine": machine(),
     }
 
@@ -269,7 +292,7 @@ def _mean(windows: list[dict], key: str, updates: bool) -> float:
     return sum(values) / len(values)
 
 
-def _start_engine(path: Path, log_dir: Path):
+def _start_engine(path: Path, log_dir: Path, split: tuple[list[int], list[int]] | None):
     from pipelinerl.engines.client import EngineClient
     from pipelinerl.procs import engine_command, free_port, start_process, tail
 
@@ -277,6 +300,8 @@ def _start_engine(path: Path, log_dir: Path):
     log = log_dir / f"engine-{port}.log"
     extra = ["--max-running-seqs", str(CONCURRENT), "--max-model-len", str(PROMPT_LEN + MAX_NEW),
              "--max-batch-tokens", str(CONCURRENT * (PROMPT_LEN + MAX_NEW)), "--threads", str(THREADS)]
+    if split:
+        extra += ["--decode-cpus", ",".join(map(str, split[0]))]
     proc = start_process(engine_command(str(path), port, extra=extra), log, threads=THREADS)
     client = EngineClient(f"http://127.0.0.1:{port}", timeout_s=120)
     try:

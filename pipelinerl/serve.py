@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=16384, help="KV-cache tokens of running sequences")
     p.add_argument("--max-model-len", type=int, default=512, help="prompt + generated tokens per sequence")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--decode-cpus", default=None, metavar="LIST",
+                   help="embedded engine on CPU: run decoding on these CPUs (e.g. 0 or 0-3) and receive weight "
+                        "updates on the others, so that updates do not take the decoding's cores")
     p.add_argument("--initial-version", type=int, default=0, help="weight version of the loaded weights")
     p.add_argument("--log-level", default="warning")
 
@@ -45,15 +48,23 @@ def load_model(path: str, dtype: str = "float32", device: str | None = None):
 
 
 def build_app(args: argparse.Namespace):
+    from pipelinerl.engines.embedded.cpus import CpuListError, CpuSplit, parse_cpu_list
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
     from pipelinerl.engines.server import create_app
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        decode_cpus = parse_cpu_list(args.decode_cpus) if args.decode_cpus else None
+        split = CpuSplit(decode_cpus)  # checked before the model loads
+    except CpuListError as e:
+        raise SystemExit(str(e)) from None
+    # This thread serves HTTP and starts every other thread (receiving ones, gloo's) but the decoding one.
+    split.pin_transfer()
     model, tokenizer = load_model(args.model, args.dtype)
     settings = EngineSettings(max_running_seqs=args.max_running_seqs, max_batch_tokens=args.max_batch_tokens,
                               max_model_len=args.max_model_len, initial_version=args.initial_version)
-    engine = EmbeddedEngine(model, args.model, settings, tokenizer)
+    engine = EmbeddedEngine(model, args.model, settings, tokenizer, cpus=split)
     app = create_app(engine, title="pipelinerl embedded engine")
     app.router.on_shutdown.append(engine.shutdown)
     return app

@@ -38,6 +38,7 @@ from pipelinerl.contracts.inference import (
     UpdateWeightsResponse,
     WeightsChecksumResponse,
 )
+from pipelinerl.engines.embedded.cpus import CpuSplit
 from pipelinerl.engines.embedded.model_runner import copy_slot, make_runner
 from pipelinerl.engines.embedded.sampling import SamplingBatch, sample_batch
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
@@ -142,12 +143,14 @@ class Metrics:
 class EmbeddedEngine:
     """Implements `pipelinerl.engines.server.EngineBackend` for a transformers causal LM."""
 
-    def __init__(self, model: torch.nn.Module, model_name: str, settings: EngineSettings, tokenizer=None):
+    def __init__(self, model: torch.nn.Module, model_name: str, settings: EngineSettings, tokenizer=None,
+                 cpus: CpuSplit | None = None):
         self.model = model.eval()
         self.model_name = model_name
         self.settings = settings
         self.tokenizer = tokenizer
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        self._cpus = cpus or CpuSplit()  # where decoding and receiving run (cpus.py); default: anywhere
         self.runner = make_runner(model, settings.max_running_seqs, settings.max_model_len)
         self.eos_ids = _eos_ids(model)
         self.params = dict(model.named_parameters(remove_duplicate=False))
@@ -394,6 +397,7 @@ class EmbeddedEngine:
         have the engine thread switch at its next step boundary (or switch here if it is idle), and wait for
         that here (not in another thread hop: every hop is latency the trainer waits through). Returns when
         the receive ended."""
+        self._cpus.pin_transfer()  # a pool thread: pinned again each time, it costs one system call
         plan = self._spare.staging(specs, bucket_bytes, group.device)
         receive_tensors(group, specs, bucket_bytes, plan.targets, on_bucket=plan.after_bucket)
         received = time.perf_counter()
@@ -413,6 +417,7 @@ class EmbeddedEngine:
     # --- the engine thread ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        self._cpus.pin_decoding()
         while True:
             with self._cv:
                 while not (self._running or self._waiting or self._pending or self._abort_flag or self._stopped):
