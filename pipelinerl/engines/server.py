@@ -140,9 +140,9 @@ def create_app(backend: EngineBackend | None, title: str = "pipelinerl inference
         return HealthResponse()
 
     @app.post("/v1/weights/update", response_model=UpdateWeightsResponse, responses=_ERRORS, tags=["weights"])
-    async def update_weights(req: UpdateWeightsRequest) -> UpdateWeightsResponse:
+    async def update_weights(req: UpdateWeightsRequest) -> Response:
         """Receive a broadcast of new weights and switch to them in flight (see UpdateWeightsRequest)."""
-        return await need().update_weights(req)
+        return _json(await need().update_weights(req))
 
     @app.get("/v1/weights/checksum", response_model=WeightsChecksumResponse, responses=_ERRORS, tags=["weights"])
     async def weights_checksum() -> WeightsChecksumResponse:
