@@ -6,8 +6,7 @@ prefill is included on both sides:
 - engine (in process, the main number): an `EmbeddedEngine` driven directly, the BATCH requests submitted
   together on one event loop;
 - engine over HTTP (first model only): the same batch posted concurrently to a real engine server process
-  (`pipelinerl serve`) by BATCH client threads of one `EngineClient` (kept from round to round, like the
-  actor's client; creating the threads inside the timed region cost about 60 ms a batch here);
+  (`pipelinerl serve`) through the actor's client (`AsyncEngineClient`, kept from round to round);
 - engine with aten linears: the in-process engine with oneDNN linears off (PIPELINERL_ONEDNN=0), to show
   what the kernel choice contributes;
 - Hugging Face: `model.generate(input_ids [BATCH, PROMPT_LEN], do_sample=False, max_new_tokens=NEW_TOKENS,
@@ -26,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -77,7 +75,7 @@ def measure_model(path: Path, prompts: torch.Tensor, repeats: int, with_http: bo
     server = _start_server(path, log_dir) if with_http else None
     try:
         if server is not None:
-            runs["engine_http"] = HttpBatch(server[0], prompts)
+            runs["engine_http"] = HttpBatch(server[0].url, prompts)
         wall, cpu = interleaved(runs, repeats)
     finally:
         step_ms = 1000 * engine.metrics.decode_seconds / max(engine.metrics.decode_steps, 1)
@@ -194,17 +192,24 @@ def _stop_server(server) -> None:
 
 
 class HttpBatch:
-    """Calling it posts the whole batch at once, one request per client thread, and waits for every answer."""
+    """Calling it posts the whole batch at once through the actor's client (`AsyncEngineClient`, one request
+    per prompt on one event loop) and waits for every answer."""
 
-    def __init__(self, client, prompts: torch.Tensor):
-        self.client, self.prompts = client, prompts.tolist()
-        self.pool = ThreadPoolExecutor(BATCH)
+    def __init__(self, url: str, prompts: torch.Tensor):
+        from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
+        from pipelinerl.engines.client import AsyncEngineClient
 
-    def _one(self, prompt: list[int]):
-        return self.client.generate(prompt, temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        self.requests = [GenerateRequest(prompt_token_ids=p, sampling=params) for p in prompts.tolist()]
+        self.client = AsyncEngineClient(url)
+        self.loop = asyncio.new_event_loop()
 
     def __call__(self) -> None:
-        _check(list(self.pool.map(self._one, self.prompts)))
+        _check(self.loop.run_until_complete(self._batch()))
+
+    async def _batch(self) -> list:
+        return await asyncio.gather(*(self.client.generate(r) for r in self.requests))
 
     def close(self) -> None:
-        self.pool.shutdown()
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
