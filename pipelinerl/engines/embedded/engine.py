@@ -168,7 +168,6 @@ class EmbeddedEngine:
         self._pending: _PendingSwitch | None = None
         self._parked = False  # the engine thread waits for work, holding nothing
         self._abort_flag = False
-        self._wake_scheduled = False
         self._stopped = False
         self._batch: _DecodeBatch | None = None
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -183,14 +182,12 @@ class EmbeddedEngine:
                 raise ContractError(409, f"request_id {request.id!r} is already running", "request_id")
             self._requests[request.id] = request
             self._incoming.append(request)
-            wake = not self._wake_scheduled
-            self._wake_scheduled = True
-        if wake:
-            # Requests reach the engine thread once the event loop has run every task that is ready now: a
-            # burst (asyncio.gather of a batch, the prompts of an actor step) is then admitted and prefilled as
-            # one batch. Seen at once, a burst was admitted in two or three waves, each a separate prefill,
-            # with the sequences out of step (the engine thread takes the GIL from the submitting loop).
-            request.loop.call_soon(self._wake)
+        # Requests reach the engine thread once the event loop has run every task that is ready now: a burst
+        # (asyncio.gather of a batch, the prompts of an actor step) is then admitted and prefilled as one batch.
+        # Seen at once, a burst was admitted in two or three waves, each a separate prefill, with the sequences
+        # out of step (the engine thread takes the GIL from the submitting loop). The first `_wake` of a burst
+        # hands over all of it; the others find nothing left.
+        request.loop.call_soon(self._wake)
         try:
             return await request.future
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
@@ -199,7 +196,8 @@ class EmbeddedEngine:
 
     def _wake(self) -> None:
         with self._cv:
-            self._wake_scheduled = False
+            if not self._incoming:
+                return
             self._waiting.extend(self._incoming)
             self._abort_flag |= any(r.aborted for r in self._incoming)  # aborted before the engine saw them
             self._incoming.clear()
