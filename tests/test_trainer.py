@@ -138,6 +138,37 @@ def test_engine_samples_are_on_policy_for_the_trainer(engine, engine_trainer):
     assert stats["tokens"] == 48 and stats["samples"] == 4
 
 
+def test_bf16_trainer_to_a_bf16_engine(tiny_model_dir, tmp_path):
+    """The GPU setting (bf16 autocast in the trainer, a bfloat16 engine, bf16 on the wire), run on CPU: the
+    steps move fp32 master weights, and the engine ends up holding their bfloat16 rounding bit for bit."""
+    with running_engine(tiny_model_dir, tmp_path, extra=["--dtype", "bfloat16", "--max-model-len", "64"]) as engine:
+        cfg = TrainerConfig(lr=1e-2, samples_per_step=4, micro_batch_tokens=64, mixed_precision="bf16")
+        trainer = Trainer(str(tiny_model_dir), cfg, WeightSyncConfig(master_port=free_port(), timeout_s=30),
+                          dtype="bfloat16")
+        group = trainer.connect_engines([engine.url])
+        try:
+            assert trainer.accelerator.mixed_precision == "bf16"
+            master = next(trainer.model.parameters())
+            assert master.dtype == torch.float32, "master weights stay float32"
+            before = master.detach().clone()
+            for i in range(2):
+                stats = trainer.optimizer_step(toy_batch(i))
+                assert stats["skipped"] == 0 and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
+                trainer.broadcast_weights(group, [engine.url])
+            assert not torch.equal(master, before)
+            named = dict(trainer.full_parameters())
+            assert {t.dtype for t in named.values()} == {torch.bfloat16}
+            after = httpx.get(f"{engine.url}/v1/weights/checksum").json()
+            assert after["version"] == trainer.version == 2
+            assert {n: after["checksums"][n] for n in named} == tensor_checksums(named)
+            # and the engine generates with them, labelled with the new version
+            out = engine.generate([5, 6, 7, 8], temperature=0.0, max_new_tokens=4, ignore_eos=True)
+            assert len(out.completions[0].token_ids) == 4 and set(out.completions[0].versions) == {2}
+        finally:
+            group.destroy()
+            trainer.close()
+
+
 # ------------------------------------------------------------------------------------ checkpoint and resume
 
 
