@@ -152,6 +152,8 @@ class EmbeddedEngine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._cpus = cpus or CpuSplit()  # where decoding and receiving run (cpus.py); default: anywhere
         self.runner = make_runner(model, settings.max_running_seqs, settings.max_model_len)
+        if hasattr(self.runner, "linear_kernels"):
+            log.info("linear kernels (timed on this machine): %s", self.runner.linear_kernels)
         self.eos_ids = _eos_ids(model)
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.version = settings.initial_version

@@ -16,10 +16,12 @@ arithmetic dominates:
 - RMSNorm is one fused op; a decode step builds its cache index (and, only when lengths differ, its
   attention mask) once for all layers; the last layer's output projection and MLP run on the last prompt
   position only during prefill;
-- on x86 CPUs, large matmuls go through oneDNN (`torch.ops.mkldnn._linear_pointwise` on the plain weights,
-  no prepacked copy to keep in sync), measured 1.3-2x faster than `F.linear`'s BLAS for 32 x 256 x 1024 and
-  larger products on an AMD EPYC (AVX-512); small ones stay on `F.linear`, which has less fixed overhead.
-  PIPELINERL_ONEDNN=0 turns it off;
+- on CPUs, each linear goes through whichever of `F.linear` (BLAS) and oneDNN
+  (`torch.ops.mkldnn._linear_pointwise` on the plain weights, no prepacked copy to keep in sync) was faster
+  for its weight shape and row count on this machine, timed once when the runner is built (`LinearKernels`):
+  which one wins depends on the CPU (oneDNN 1.3-2x faster from 32 x 256 x 1024 up on an AMD EPYC, BLAS
+  1.5-4x faster below 32 x 1024 x 1024 on an Intel Xeon with its ~20 us lower fixed cost).
+  PIPELINERL_ONEDNN=0 keeps every linear on `F.linear`;
 - prompts admitted together are prefilled in one padded forward.
 
 `HFRunner` serves any other causal LM through the model's own forward and a DynamicCache per sequence: one
@@ -29,16 +31,19 @@ forward per sequence per step, slower, but correct for every architecture transf
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 FAST_PATH_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-# Linears of at least this many multiply-adds use oneDNN (when available); below it F.linear's lower fixed
-# cost wins (e.g. a batch of 32 rows through a 128x128 projection).
-ONEDNN_MIN_MACS = 1 << 20
+# LinearKernels times both kernels for row counts 1, 2, 4, ... up to this; more rows use the last decision.
+TIMED_MAX_ROWS = 256
+# Products of at least this many multiply-adds are not timed and use oneDNN: the fixed cost that separates
+# the kernels is lost in the arithmetic there, and oneDNN was never measured much slower at those sizes.
+TIMED_MAX_MACS = 1 << 27
 # Padded tokens per prefill forward: bounds the activations of a batched prefill and the padding it wastes.
 PREFILL_CHUNK_TOKENS = 4096
 # Largest table of per-position rotations for every fused q/k/v head kept precomputed (see `_step_rope`).
@@ -61,11 +66,68 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise.default(x, w, b, "none", [], "")
 
 
-def _sized_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in]: oneDNN for large products, F.linear for small ones."""
-    if x.shape[0] * w.numel() >= ONEDNN_MIN_MACS:
-        return _onednn_linear(x, w, b)
-    return F.linear(x, w, b)
+class LinearKernels:
+    """`self(x, w, b)` = F.linear(x, w, b) for x [rows, in], through the kernel that was faster on this machine
+    for w's shape and about that many rows.
+
+    Both kernels are timed once, at construction, on random inputs of every weight shape given and row counts
+    1, 2, 4, ... TIMED_MAX_ROWS (interleaved, best of a few calls each); a call then costs one lookup. Fixed
+    from then on, so the same request gives the same numbers for the engine's whole life."""
+
+    def __init__(self, shapes: Sequence[tuple[int, int, bool]], dtype: torch.dtype, device: torch.device,
+                 repeats: int = 5):
+        self.use_onednn: dict[tuple[int, int], list[bool]] = {}  # (out, in) -> by row bucket (rows.bit_length())
+        self.max_bucket = TIMED_MAX_ROWS.bit_length()
+        for out_f, in_f, has_bias in sorted(set(shapes)):
+            w = torch.randn(out_f, in_f, dtype=dtype, device=device)
+            b = torch.randn(out_f, dtype=dtype, device=device) if has_bias else None
+            choices = [False]  # bucket 0 (no rows) is never used
+            for bucket in range(1, self.max_bucket + 1):
+                rows = 1 << (bucket - 1)
+                if rows * out_f * in_f >= TIMED_MAX_MACS:
+                    choices.append(True)
+                    continue
+                x = torch.randn(rows, in_f, dtype=dtype, device=device)
+                choices.append(_time(_onednn_linear, x, w, b, repeats) < _time(F.linear, x, w, b, repeats))
+            self.use_onednn[(out_f, in_f)] = choices
+
+    @property
+    def any_onednn(self) -> bool:
+        return any(any(choices) for choices in self.use_onednn.values())
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        choices = self.use_onednn.get((w.shape[0], w.shape[1]))
+        if choices is not None and choices[min(x.shape[0].bit_length(), self.max_bucket)]:
+            return _onednn_linear(x, w, b)
+        return F.linear(x, w, b)
+
+    def summary(self) -> dict[str, str]:
+        """{'OUTxIN': e.g. 'blas for 1-32 rows, onednn for 64+'}: which kernel each weight shape uses."""
+        out = {}
+        for (o, i), choices in self.use_onednn.items():
+            runs: list[list] = []  # [kernel, first rows, last rows]
+            for bucket in range(1, len(choices)):
+                kernel, rows = "onednn" if choices[bucket] else "blas", 1 << (bucket - 1)
+                if runs and runs[-1][0] == kernel:
+                    runs[-1][2] = rows
+                else:
+                    runs.append([kernel, rows, rows])
+            runs[-1][2] = None  # the last bucket also takes every larger row count
+            out[f"{o}x{i}"] = ", ".join(f"{k} for {lo}+" if hi is None else f"{k} for {lo}-{hi}" if hi > lo
+                                        else f"{k} for {lo}" for k, lo, hi in runs) + " rows"
+        return out
+
+
+@torch.inference_mode()
+def _time(fn, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, repeats: int) -> float:
+    """Best of `repeats` calls, after one to warm up."""
+    fn(x, w, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x, w, b)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 # glibc mallopt parameters
@@ -190,12 +252,17 @@ class SlotRunner:
         self.onednn = _onednn_usable(self.device, self.dtype) if onednn is None else onednn
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.linear = _sized_linear if self.onednn else F.linear
         self.fused_groups: list[FusedGroup] = []
         self.layers = [self._fast_layer(layer, cfg) for layer in self.inner.layers]
         self._embed_w = self.inner.embed_tokens.weight
         self._final_norm = _Norm.of(self.inner.norm)
         self._head_w, self._head_b = model.lm_head.weight, model.lm_head.bias
+        self.linear: LinearKernels | Callable = F.linear
+        if self.onednn:
+            kernels = LinearKernels(self._linear_shapes(), self.dtype, self.device)
+            if kernels.any_onednn:  # else F.linear itself: no lookup per call (~2.5 us each)
+                self.linear = kernels
+        self.linear_kernels = self.linear.summary() if isinstance(self.linear, LinearKernels) else "blas (F.linear)"
         # One KV cache tensor per layer, [2 (k, v), slots, kv_heads, max_len, head_dim]: a decode step writes a
         # token's k and v with one indexed copy, and (slot, kv head) merge into one batch dimension for the
         # attention's batched matmuls without copying the cache.
@@ -227,6 +294,15 @@ class SlotRunner:
                       qkv_w=qkv_w, qkv_b=qkv_b, q_norm=getattr(attn, "q_norm", None),
                       k_norm=getattr(attn, "k_norm", None), o_w=attn.o_proj.weight, o_b=attn.o_proj.bias,
                       mlp=mlp, gate_up_w=gate_up_w, gate_up_b=gate_up_b, down_w=down_w, down_b=down_b)
+
+    def _linear_shapes(self) -> list[tuple[int, int, bool]]:
+        """(out, in, has bias) of every weight that goes through `self.linear`."""
+        pairs = [(self._head_w, self._head_b)]
+        for layer in self.layers:
+            pairs += [(layer.qkv_w, layer.qkv_b), (layer.o_w, layer.o_b)]
+            if layer.gate_up_w is not None:
+                pairs += [(layer.gate_up_w, layer.gate_up_b), (layer.down_w, layer.down_b)]
+        return [(w.shape[0], w.shape[1], b is not None) for w, b in pairs]
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position, [max_len, head_dim], from the model's rotary module (the same
