@@ -115,7 +115,7 @@ def _measure_model(hidden: int, layers: int, bucket_mbs: list[float], rounds: in
             except Exception as e:
                 raise RuntimeError(f"{e}\n--- engine log ---\n{tail(log_path)}") from e
             trainer = Trainer(str(model_dir), TrainerConfig(threads=1),
-                              WeightSyncConfig(master_port=free_port(), timeout_s=60))
+                              WeightSyncConfig(master_port=0, timeout_s=60))
             group = trainer.connect_engines([client.url])
             try:
                 return {_mode_name(mb): _measure(trainer, group, client, mb, rounds) for mb in bucket_mbs}

@@ -298,6 +298,8 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
                     rendezvous.raise_if_failed()
             run_pipeline(cfg, urls, run_dir, plan, check, engine_pids=engines.pids)
         except (RuntimeError, TimeoutError) as e:
+            if rendezvous and isinstance(e, ChildFailed):
+                e = rendezvous.root_cause(e)
             print(f"pipelinerl: run failed: {e}", file=sys.stderr)
             return 1
         finally:

@@ -90,6 +90,21 @@ class NodeRendezvous:
         if failure is not None:
             raise RuntimeError(f"node {failure['node']} failed: {failure['message']}")
 
+    def root_cause(self, local: Exception, grace_s: float = 5.0) -> Exception:
+        """Node 0, after `local` stopped the run: another node's reported failure if one arrives within
+        `grace_s`, else `local`. When an engine on another node dies, node 0's trainer fails its next
+        broadcast at once, while that node reports the engine at its next poll: the dead engine, not the
+        trainer that lost its peer, is the cause to name."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                self.raise_if_failed()
+            except RuntimeError as remote:
+                return RuntimeError(f"{remote}\n(then on node {self.node.rank}: {local})")
+            if time.monotonic() >= deadline:
+                return local
+            time.sleep(0.2)
+
     def finish(self, ok: bool, wait_s: float = 30.0) -> None:
         """Node 0: tell every node the run is over and wait (briefly) until they heard it, so that node 0's store
         does not vanish before they read the news."""

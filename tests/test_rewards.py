@@ -69,7 +69,7 @@ def check_after_slow_warmup(item):
 
 
 def _slow_warmup():
-    time.sleep(1.0)
+    time.sleep(3.0)
 
 
 check_after_slow_warmup.warmup = _slow_warmup
@@ -91,11 +91,15 @@ def check_verify_timeout(item):
     return check_pair(item)
 
 
+# sympy and math-verify imported before the clock starts, as the project's own math rewards do
+check_pair.warmup = check_verify_timeout.warmup = rmath._warmup
+
+
 # -- pool ------------------------------------------------------------------------------------------------------
 
 
 def test_pool_isolates_hangs_crashes_and_errors_and_keeps_scoring():
-    with RewardPool(workers=2, timeout_s=1.0) as pool:
+    with RewardPool(workers=2, timeout_s=3.0) as pool:  # the hang costs this; the quick checks need far less
         assert [r.reward for r in pool.score(check_double, [{"x": i} for i in range(6)])] == [0, 2, 4, 6, 8, 10]
         kinds = ["hang", "ok", "exit", "segv", "raise", "ok"]
         results = pool.score(check_by_kind, [{"kind": k, "x": 7} for k in kinds])
@@ -120,7 +124,7 @@ def test_pool_reports_bad_returns_and_unpicklable_items_as_errors():
 
 
 def test_pool_warmup_runs_outside_the_timeout():
-    with RewardPool(workers=1, timeout_s=0.5) as pool:
+    with RewardPool(workers=1, timeout_s=2.0) as pool:  # less than the warm-up's 3 s
         assert pool.score(check_after_slow_warmup, [{}, {}]) == [RewardResult(1.0), RewardResult(1.0)]
         assert pool.stats()["timeouts"] == 0
 
@@ -162,7 +166,10 @@ def test_pool_refuses_non_importable_functions_and_stops_on_close():
     with pool:
         in_flight = pool.submit(check_hang, {})
         queued = pool.submit(check_double, {"x": 1})
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while not in_flight.running():  # a worker has taken the hanging check
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
     with pytest.raises(RuntimeError, match="closed while the check was running"):
         in_flight.result(timeout=10)
     assert queued.cancelled()

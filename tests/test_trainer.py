@@ -90,7 +90,7 @@ def engine(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine_trainer(engine, tiny_model_dir):
     cfg = TrainerConfig(lr=1e-2, samples_per_step=4, micro_batch_tokens=64, temperature=0.7)
-    trainer = Trainer(str(tiny_model_dir), cfg, WeightSyncConfig(master_port=free_port(), timeout_s=30))
+    trainer = Trainer(str(tiny_model_dir), cfg, WeightSyncConfig(master_port=0, timeout_s=30))
     group = trainer.connect_engines([engine.url])
     yield trainer, group
     group.destroy()
@@ -138,12 +138,23 @@ def test_engine_samples_are_on_policy_for_the_trainer(engine, engine_trainer):
     assert stats["tokens"] == 48 and stats["samples"] == 4
 
 
-def test_bf16_trainer_to_a_bf16_engine(tiny_model_dir, tmp_path):
+@pytest.fixture()
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state and refuses a second precision in the same process (a trainer
+    process has one Trainer): start from none, and leave none for the tests after."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_bf16_trainer_to_a_bf16_engine(tiny_model_dir, tmp_path, fresh_accelerate_state):
     """The GPU setting (bf16 autocast in the trainer, a bfloat16 engine, bf16 on the wire), run on CPU: the
     steps move fp32 master weights, and the engine ends up holding their bfloat16 rounding bit for bit."""
     with running_engine(tiny_model_dir, tmp_path, extra=["--dtype", "bfloat16", "--max-model-len", "64"]) as engine:
         cfg = TrainerConfig(lr=1e-2, samples_per_step=4, micro_batch_tokens=64, mixed_precision="bf16")
-        trainer = Trainer(str(tiny_model_dir), cfg, WeightSyncConfig(master_port=free_port(), timeout_s=30),
+        trainer = Trainer(str(tiny_model_dir), cfg, WeightSyncConfig(master_port=0, timeout_s=30),
                           dtype="bfloat16")
         group = trainer.connect_engines([engine.url])
         try:

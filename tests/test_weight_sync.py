@@ -15,7 +15,7 @@ from pipelinerl.weight_sync import TensorSpec, adopt_wire_layout, in_wire_layout
 PEER = str(Path(__file__).with_name("weight_sync_peer.py"))
 
 
-def start_peers(ranks, world, port, tmp_path, timeout=20.0):
+def start_peers(ranks, world, port, tmp_path, timeout=60.0):  # generous: peers import torch at once
     procs = {}
     for r in ranks:
         out = tmp_path / f"rank{r}.json"
@@ -42,15 +42,17 @@ def test_three_processes_receive_every_dtype_and_shape_bit_exactly(tmp_path):
 
 
 def test_a_peer_that_never_joins_is_a_clear_timeout(tmp_path):
+    # 15 s: the two peers start together but import torch on a shared machine, so they may reach the group
+    # seconds apart; the message must still name only the rank that never comes
     start = time.monotonic()
-    procs = start_peers([0, 1], 3, free_port(), tmp_path, timeout=3.0)
+    procs = start_peers([0, 1], 3, free_port(), tmp_path, timeout=15.0)
     for p, out in procs.values():
         p.communicate(timeout=60)
         assert p.returncode == 3
         result = json.loads(out.read_text())
         assert result["error"] == "WeightSyncTimeout"
         assert "rank(s) [2]" in result["message"] and "did not join" in result["message"]
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 90  # ended by the timeout, not by the test's own limit
 
 
 def test_bucket_plan_groups_consecutive_tensors_within_the_limit():

@@ -279,7 +279,7 @@ class RewardPool:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not conn.poll(remaining):
+            if not conn.poll(max(remaining, 0.0)):  # past the deadline, still take a result already sent
                 what = f"no result within {self.timeout_s:g} s" if started else \
                     f"the worker did not start the check within {self.start_timeout_s:g} s"
                 return RewardResult(0.0, {}, f"timeout: {what}"), "timeouts"
