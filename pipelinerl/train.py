@@ -13,6 +13,8 @@ every process reads the same stream and trains on its share of each batch.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -213,7 +215,20 @@ def _position(feed: SampleFeed, stale_dropped: int, started: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = role_arguments("train", __doc__.splitlines()[0], argv)
     train(load_config(args.config), args.engines)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_now()
     return 0
+
+
+def exit_now(code: int = 0) -> None:
+    """End a trainer rank whose work is all done and saved, skipping interpreter teardown: with several ranks
+    (DeepSpeed ZeRO-3 over gloo), a rank sometimes aborted there ("terminate called without an active
+    exception", about 1 exit in 20-40 on 2 CPU processes, after its checkpoint, export and the final barrier),
+    which would make a finished run look failed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -219,4 +219,7 @@ def gathered(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
+    from pipelinerl.train import exit_now
+
     worker(*sys.argv[1:])
+    exit_now()  # as the trainer role does: no interpreter teardown once the work is saved

@@ -46,6 +46,9 @@ def save_checkpoint(trainer: Trainer, ckpt_dir: str | os.PathLike,
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
     acc.save_state(str(tmp))
+    # every rank has written its files (its RNG state, its shard) before the main process renames the directory
+    # away from under them
+    acc.wait_for_everyone()
     if acc.is_main_process:
         if trainer.ref_model is not None:
             save_model(trainer.ref_model, str(tmp / REFERENCE_FILE))

@@ -405,6 +405,7 @@ class Trainer:
             client.close()
         self._clients.clear()
         if self.accelerator.num_processes > 1 and dist.is_initialized():
+            dist.barrier()  # no rank tears the group down while another may still be using it
             dist.destroy_process_group()
 
     # --- the optimizer step ---------------------------------------------------------------------------------
