@@ -185,6 +185,10 @@ def test_concurrent_requests_during_update_stream(engine, trainer):
 
     with ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(one, i) for i in range(12)]
+        deadline = time.monotonic() + 30
+        while engine.metrics()["pipelinerl_running_seqs"] == 0:  # the updates land while sequences run
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         for k in range(n_updates):
             time.sleep(0.05)
             trainer.push(trainer.perturbed(seed=100 + k, scale=0.05))

@@ -15,8 +15,9 @@ from pipelinerl.engines.client import EngineClient, EngineError, update_request_
 ANSWER = json.dumps({"version": 1, "received_bytes": 8, "receive_s": 0.0, "switch_s": 0.0}).encode()
 
 
-def serve(listener: socket.socket, bodies: list[bytes], statuses: list[int]) -> None:
-    """Answer one request per connection, then close it soon after, as a server's keep-alive timeout does."""
+def serve(listener: socket.socket, bodies: list[bytes], statuses: list[int], closed: threading.Semaphore) -> None:
+    """Answer one request per connection, then close it soon after, as a server's keep-alive timeout does
+    (releasing `closed` once it has)."""
     for status in statuses:
         conn, _ = listener.accept()
         with conn:
@@ -33,12 +34,14 @@ def serve(listener: socket.socket, bodies: list[bytes], statuses: list[int]) -> 
             conn.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                          % (status, len(answer), answer))
             time.sleep(0.05)
+        closed.release()
 
 
 def test_updates_survive_a_keep_alive_connection_the_server_closed():
     listener = socket.create_server(("127.0.0.1", 0))
     bodies: list[bytes] = []
-    server = threading.Thread(target=serve, args=(listener, bodies, [200, 200, 409]), daemon=True)
+    closed = threading.Semaphore(0)
+    server = threading.Thread(target=serve, args=(listener, bodies, [200, 200, 409], closed), daemon=True)
     server.start()
     client = EngineClient(f"http://127.0.0.1:{listener.getsockname()[1]}", timeout_s=10)
     named = [("a.weight", torch.zeros(2, 3)), ("a.bias", torch.zeros(3, dtype=torch.bfloat16))]
@@ -46,7 +49,7 @@ def test_updates_survive_a_keep_alive_connection_the_server_closed():
         for version in (1, 2):
             client.send_update(update_request_body(named, version, "weight_update", 64))
             assert client.finish_update().version == 1
-            time.sleep(0.2)  # the server closes the idle connection meanwhile
+            assert closed.acquire(timeout=10)  # the server has closed the idle connection meanwhile
         client.send_update(update_request_body(named, 3, "weight_update", 64))
         with pytest.raises(EngineError, match="nope") as err:
             client.finish_update()
