@@ -61,7 +61,7 @@ def build_app(args: argparse.Namespace):
     # The decoding thread lets go of the GIL inside every torch op and must win it back after each one; when
     # the HTTP or weight-receiving threads are running Python, it waits up to the switch interval (5 ms by
     # default). A short one gives it back sooner: the decoding thread kept 0.961-0.962 of its core while
-    # updates arrived back to back, 0.973-0.975 with this (bench/engine_updates.py, 2 runs each).
+    # updates arrived back to back, 0.973-0.976 with this (bench/engine_updates.py, 2+ runs each).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         decode_cpus = parse_cpu_list(args.decode_cpus) if args.decode_cpus else None

@@ -1,6 +1,8 @@
 import contextlib
 import itertools
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,11 @@ def running_engine(model_dir, log_dir: Path, extra=(), threads: int = 1):
         if client is not None:
             client.close()
         stop_process(proc)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0, poll_s: float = 0.01) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(poll_s)

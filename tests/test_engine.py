@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from conftest import running_engine
+from conftest import running_engine, wait_until
 from transformers import AutoModelForCausalLM
 
 from pipelinerl.engines.client import EngineError, init_group_on_engines, push_weights
@@ -153,10 +153,8 @@ def test_in_flight_switch_continues_from_kv_cache(engine, trainer):
             out=engine.generate(PROMPT, temperature=0, max_new_tokens=steps, ignore_eos=True)))
         thread.start()
         start_tokens = engine.metrics()["pipelinerl_generated_tokens_total"]
-        deadline = time.monotonic() + 30
-        while engine.metrics()["pipelinerl_generated_tokens_total"] < start_tokens + 50:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda start=start_tokens: engine.metrics()["pipelinerl_generated_tokens_total"] >= start + 50,
+                   "50 tokens generated", poll_s=0.02)
         trainer.push(new)
         thread.join(timeout=60)
         out = result["out"].completions[0]
@@ -185,10 +183,8 @@ def test_concurrent_requests_during_update_stream(engine, trainer):
 
     with ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(one, i) for i in range(12)]
-        deadline = time.monotonic() + 30
-        while engine.metrics()["pipelinerl_running_seqs"] == 0:  # the updates land while sequences run
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        # the updates land while sequences run
+        wait_until(lambda: engine.metrics()["pipelinerl_running_seqs"] > 0, "a sequence running")
         for k in range(n_updates):
             time.sleep(0.05)
             trainer.push(trainer.perturbed(seed=100 + k, scale=0.05))
@@ -240,10 +236,7 @@ def test_abort_one_and_all(engine):
         threads = [threading.Thread(target=run, args=(k,)) for k in ("a", "b", "c")]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
-        while engine.metrics()["pipelinerl_running_seqs"] < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: engine.metrics()["pipelinerl_running_seqs"] >= 3, "three sequences running")
         aborted_one = engine.abort("a")
         threads[0].join(30)
         aborted_rest = sorted(engine.abort())

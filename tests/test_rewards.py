@@ -11,6 +11,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 import pipelinerl.rewards.math as rmath
 from pipelinerl.config import RewardConfig
@@ -166,10 +167,7 @@ def test_pool_refuses_non_importable_functions_and_stops_on_close():
     with pool:
         in_flight = pool.submit(check_hang, {})
         queued = pool.submit(check_double, {"x": 1})
-        deadline = time.monotonic() + 30
-        while not in_flight.running():  # a worker has taken the hanging check
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(in_flight.running, "a worker took the hanging check")
     with pytest.raises(RuntimeError, match="closed while the check was running"):
         in_flight.result(timeout=10)
     assert queued.cancelled()
