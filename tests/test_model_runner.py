@@ -1,59 +1,91 @@
 """The embedded engine's fast forward (`SlotRunner`) in process: its logits equal the transformers model's
-through a batched prefill and decode steps, whichever linear kernel each weight shape was given, and the
-per-shape kernel choice (`LinearKernels`) computes F.linear for every row count."""
+through a batched prefill and decode steps, whichever storage layout and linear kernel each weight shape was
+given, and the per-shape choice (`LinearKernels`) computes F.linear for every row count."""
+
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from pipelinerl.engines.embedded.model_runner import TIMED_MAX_ROWS, LinearKernels, SlotRunner, _onednn_usable
+from pipelinerl.engines.embedded.model_runner import (
+    TIMED_MAX_ROWS,
+    LinearKernels,
+    SlotRunner,
+    _onednn_usable,
+    transposed_storage,
+)
 
 CPU = torch.device("cpu")
-needs_onednn = pytest.mark.skipif(not _onednn_usable(CPU, torch.float32), reason="no oneDNN in this torch build")
+HAS_ONEDNN = _onednn_usable(CPU, torch.float32)
+needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="no oneDNN in this torch build")
 
 
 def forced(kernels: LinearKernels, pattern) -> LinearKernels:
-    """The same shapes, with the choice per row bucket set by `pattern(bucket)` instead of the timing."""
+    """The same shapes, with the choice per row bucket set by `pattern(bucket)` (True: oneDNN)."""
     for choices in kernels.use_onednn.values():
         choices[:] = [bool(pattern(k)) for k in range(len(choices))]
     return kernels
 
 
 @needs_onednn
+@pytest.mark.parametrize("stored", ["as-is", "transposed"])
 @pytest.mark.parametrize("pattern", [lambda k: True, lambda k: False, lambda k: k % 2],
                          ids=["onednn", "blas", "alternating"])
-def test_linear_kernels_compute_linear_for_every_row_count(pattern):
+def test_linear_kernels_compute_linear_for_every_row_count(pattern, stored):
     g = torch.Generator().manual_seed(0)
     shapes = [(48, 32, True), (96, 32, False), (32, 64, True)]
-    kernels = forced(LinearKernels(shapes, torch.float32, CPU, repeats=1), pattern)
+    kernels = forced(LinearKernels.fixed(shapes, transposed=stored == "transposed"), pattern)
     assert set(kernels.use_onednn) == {(48, 32), (96, 32), (32, 64)}
     for out_f, in_f, has_bias in shapes:
         w = torch.randn(out_f, in_f, generator=g)
         b = torch.randn(out_f, generator=g) if has_bias else None
+        weight = transposed_storage(w) if (out_f, in_f) in kernels.transposed else w
+        assert weight.is_contiguous() == (stored == "as-is")
         for rows in (1, 2, 3, 7, 33, TIMED_MAX_ROWS, TIMED_MAX_ROWS + 100):
             x = torch.randn(rows, in_f, generator=g)
-            torch.testing.assert_close(kernels(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(kernels(x, weight, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
-@needs_onednn
-def test_linear_kernels_summary_names_each_run_of_row_counts():
-    kernels = forced(LinearKernels([(16, 8, False)], torch.float32, CPU, repeats=1), lambda k: k >= 4)
+def test_timed_kernels_decide_every_shape_and_row_bucket():
+    shapes = [(48, 32, True), (96, 32, False), (32, 64, True), (96, 32, False)]
+    for onednn in [False, True] if HAS_ONEDNN else [False]:
+        kernels = LinearKernels.timed(shapes, torch.float32, CPU, onednn=onednn, repeats=1)
+        assert set(kernels.use_onednn) == {(48, 32), (96, 32), (32, 64)}
+        assert kernels.transposed <= set(kernels.use_onednn)
+        for choices in kernels.use_onednn.values():
+            assert len(choices) == TIMED_MAX_ROWS.bit_length() + 1 and not choices[0]
+        if not onednn:
+            assert not kernels.any_onednn
+
+
+def test_linear_kernels_summary_names_the_storage_and_each_run_of_row_counts():
+    kernels = forced(LinearKernels.fixed([(16, 8, False)]), lambda k: k >= 4)
     assert kernels.summary() == {"16x8": "blas for 1-4, onednn for 8+ rows"}
     assert kernels.any_onednn
     assert not forced(kernels, lambda k: False).any_onednn
+    kernels = LinearKernels.fixed([(16, 8, False)], transposed=True)
+    assert kernels.summary() == {"16x8": "stored transposed; blas for 1+ rows"}
 
 
-@pytest.mark.parametrize("kernel", ["blas", "onednn"])
+@pytest.mark.parametrize("kernel", ["blas", "onednn", "transposed-blas", "transposed-onednn"])
 def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel):
+    if "onednn" in kernel and not HAS_ONEDNN:
+        pytest.skip("no oneDNN in this torch build")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    runner = SlotRunner(model, num_slots=4, max_len=32, onednn=kernel == "onednn")
-    if kernel == "onednn":
-        if not runner.onednn:
-            pytest.skip("no oneDNN in this torch build")
-        runner.linear = forced(LinearKernels(runner._linear_shapes(), torch.float32, CPU, repeats=1),
-                               lambda k: True)
+    transposed = kernel.startswith("transposed")
+    choose = partial(LinearKernels.fixed, transposed=transposed, onednn=kernel.endswith("onednn"))
+    runner = SlotRunner(model, num_slots=4, max_len=32, choose_kernels=choose)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    # the model's own parameters are views of what the runner computes with, in the layout asked for
+    layer = runner.layers[0]
+    for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
+        assert w.is_contiguous() != transposed and w.t().is_contiguous() == transposed
+    assert attn.k_proj.weight.data_ptr() == layer.qkv_w[attn.q_proj.out_features].data_ptr()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == layer.gate_up_w.untyped_storage().data_ptr()
+    assert runner._head_w.is_contiguous()  # tied to the embedding: kept as is
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]  # different lengths: padding and the decode mask
     logits = runner.prefill_batch([0, 1, 2], prompts)
     sequences = [list(p) for p in prompts]

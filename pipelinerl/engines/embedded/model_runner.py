@@ -30,6 +30,7 @@ forward per sequence per step, slower, but correct for every architecture transf
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +45,8 @@ TIMED_MAX_ROWS = 256
 # Products of at least this many multiply-adds are not timed and use oneDNN: the fixed cost that separates
 # the kernels is lost in the arithmetic there, and oneDNN was never measured much slower at those sizes.
 TIMED_MAX_MACS = 1 << 27
+# A weight shape is stored transposed when that makes its linears at least this much faster (see LinearKernels).
+TRANSPOSED_MIN_GAIN = 0.05
 # Padded tokens per prefill forward: bounds the activations of a batched prefill and the padding it wastes.
 PREFILL_CHUNK_TOKENS = 4096
 # Largest table of per-position rotations for every fused q/k/v head kept precomputed (see `_step_rope`).
@@ -66,30 +69,63 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise.default(x, w, b, "none", [], "")
 
 
+def transposed_storage(w: torch.Tensor) -> torch.Tensor:
+    """w's values in memory laid out as w.T: the same [out, in] tensor to every op, but F.linear then hands
+    BLAS an untransposed right-hand side."""
+    return w.t().contiguous().t()
+
+
 class LinearKernels:
-    """`self(x, w, b)` = F.linear(x, w, b) for x [rows, in], through the kernel that was faster on this machine
-    for w's shape and about that many rows.
+    """How each weight shape is stored and multiplied.
 
-    Both kernels are timed once, at construction, on random inputs of every weight shape given and row counts
-    1, 2, 4, ... TIMED_MAX_ROWS (interleaved, best of a few calls each); a call then costs one lookup. Fixed
-    from then on, so the same request gives the same numbers for the engine's whole life."""
+    `self(x, w, b)` = F.linear(x, w, b) for x [rows, in], through the kernel chosen for w's shape and about
+    that many rows: BLAS (`F.linear`) or oneDNN (`_onednn_linear`). `use_onednn[(out, in)][bucket]` says which,
+    by row bucket (rows.bit_length(), the last bucket also taking every larger row count). `transposed`: the
+    shapes whose weights are stored as w.T (`transposed_storage`); the runner re-stores them so at
+    construction. `timed` measures all this on the machine; `fixed` sets it."""
 
-    def __init__(self, shapes: Sequence[tuple[int, int, bool]], dtype: torch.dtype, device: torch.device,
-                 repeats: int = 5):
-        self.use_onednn: dict[tuple[int, int], list[bool]] = {}  # (out, in) -> by row bucket (rows.bit_length())
+    def __init__(self, use_onednn: dict[tuple[int, int], list[bool]], transposed: set[tuple[int, int]]):
+        self.use_onednn, self.transposed = use_onednn, transposed
         self.max_bucket = TIMED_MAX_ROWS.bit_length()
+
+    @classmethod
+    def fixed(cls, shapes: Sequence[tuple[int, int, bool]], transposed: bool = False,
+              onednn: bool = False) -> LinearKernels:
+        """Every shape given stored as is (or transposed), through BLAS (or oneDNN) for every row count."""
+        keys = {(out_f, in_f) for out_f, in_f, _ in shapes}
+        buckets = TIMED_MAX_ROWS.bit_length() + 1
+        return cls({k: [False] + [onednn] * (buckets - 1) for k in keys}, set(keys) if transposed else set())
+
+    @classmethod
+    def timed(cls, shapes: Sequence[tuple[int, int, bool]], dtype: torch.dtype, device: torch.device,
+              onednn: bool = True, repeats: int = 5) -> LinearKernels:
+        """Times every combination of storage and kernel (oneDNN only with `onednn`) on random inputs of each
+        weight shape, for row counts 1, 2, 4, ... TIMED_MAX_ROWS (interleaved, best of `repeats` calls each).
+        A shape is stored transposed when that made its best kernel at least TRANSPOSED_MIN_GAIN faster,
+        geometric mean over the row counts timed; then each row count gets the faster kernel for that storage.
+        Products of TIMED_MAX_MACS and more are not timed and use oneDNN where it is on."""
+        use_onednn, transposed = {}, set()
+        kernels = [F.linear, _onednn_linear] if onednn else [F.linear]
         for out_f, in_f, has_bias in sorted(set(shapes)):
             w = torch.randn(out_f, in_f, dtype=dtype, device=device)
+            layouts = (w, transposed_storage(w))
             b = torch.randn(out_f, dtype=dtype, device=device) if has_bias else None
-            choices = [False]  # bucket 0 (no rows) is never used
-            for bucket in range(1, self.max_bucket + 1):
+            best: list[dict | None] = []  # per bucket from 1, {(layout, kernel): seconds}; None: not timed
+            for bucket in range(1, TIMED_MAX_ROWS.bit_length() + 1):
                 rows = 1 << (bucket - 1)
                 if rows * out_f * in_f >= TIMED_MAX_MACS:
-                    choices.append(True)
+                    best.append(None)
                     continue
                 x = torch.randn(rows, in_f, dtype=dtype, device=device)
-                choices.append(_onednn_faster(x, w, b, repeats))
-            self.use_onednn[(out_f, in_f)] = choices
+                best.append(_best_times(x, layouts, b, kernels, repeats))
+            gains = [min(t[(1, k)] for k in kernels) / min(t[(0, k)] for k in kernels) for t in best if t]
+            layout = int(bool(gains) and math.prod(gains) ** (1 / len(gains)) <= 1 - TRANSPOSED_MIN_GAIN)
+            if layout:
+                transposed.add((out_f, in_f))
+            use_onednn[(out_f, in_f)] = [False] + [  # bucket 0 (no rows) is never used
+                onednn if t is None else onednn and t[(layout, _onednn_linear)] < t[(layout, F.linear)]
+                for t in best]
+        return cls(use_onednn, transposed)
 
     @property
     def any_onednn(self) -> bool:
@@ -102,7 +138,8 @@ class LinearKernels:
         return F.linear(x, w, b)
 
     def summary(self) -> dict[str, str]:
-        """{'OUTxIN': e.g. 'blas for 1-32, onednn for 64+ rows'}: which kernel each weight shape uses."""
+        """{'OUTxIN': e.g. 'stored transposed; blas for 1-32, onednn for 64+ rows'}: how each weight shape is
+        stored and which kernel it uses for how many rows."""
         out = {}
         for (o, i), choices in self.use_onednn.items():
             runs: list[list] = []  # [kernel, first rows, last rows]
@@ -113,24 +150,27 @@ class LinearKernels:
                 else:
                     runs.append([kernel, rows, rows])
             runs[-1][2] = None  # the last bucket also takes every larger row count
-            out[f"{o}x{i}"] = ", ".join(f"{k} for {lo}+" if hi is None else f"{k} for {lo}-{hi}" if hi > lo
-                                        else f"{k} for {lo}" for k, lo, hi in runs) + " rows"
+            layout = "stored transposed; " if (o, i) in self.transposed else ""
+            out[f"{o}x{i}"] = layout + ", ".join(f"{k} for {lo}+" if hi is None else f"{k} for {lo}-{hi}" if hi > lo
+                                                 else f"{k} for {lo}" for k, lo, hi in runs) + " rows"
         return out
 
 
 @torch.inference_mode()
-def _onednn_faster(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, repeats: int) -> bool:
-    """Whether oneDNN beat F.linear on these inputs: best of `repeats` calls each, interleaved (so a slow
-    moment of the machine hits both), after one warm-up call each."""
-    best = {_onednn_linear: float("inf"), F.linear: float("inf")}
-    for fn in best:
-        fn(x, w, b)
+def _best_times(x: torch.Tensor, layouts: Sequence[torch.Tensor], b: torch.Tensor | None,
+                kernels: Sequence[Callable], repeats: int) -> dict[tuple[int, Callable], float]:
+    """{(layout index, kernel): best of `repeats` calls}, the calls interleaved (so a slow moment of the machine
+    hits every candidate), after one warm-up call each."""
+    candidates = [(i, k) for i in range(len(layouts)) for k in kernels]
+    best = dict.fromkeys(candidates, float("inf"))
+    for i, k in candidates:
+        k(x, layouts[i], b)
     for _ in range(repeats):
-        for fn in best:
+        for i, k in candidates:
             start = time.perf_counter()
-            fn(x, w, b)
-            best[fn] = min(best[fn], time.perf_counter() - start)
-    return best[_onednn_linear] < best[F.linear]
+            k(x, layouts[i], b)
+            best[(i, k)] = min(best[(i, k)], time.perf_counter() - start)
+    return best
 
 
 # glibc mallopt parameters
@@ -239,7 +279,12 @@ class _Layer:
 
 
 class SlotRunner:
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, onednn: bool | None = None):
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, onednn: bool | None = None,
+                 choose_kernels: Callable[[list[tuple[int, int, bool]]], LinearKernels] | None = None):
+        """`onednn`: whether oneDNN linears may be chosen (default: where usable, see `_onednn_usable`).
+        `choose_kernels(shapes)`: how the weights of these (out, in, has bias) shapes are stored and multiplied.
+        By default `LinearKernels.timed` on a CPU with float32 weights; elsewhere every weight stays as it is
+        and goes through F.linear."""
         self.model = model
         self.inner = model.model
         cfg = model.config
@@ -260,12 +305,17 @@ class SlotRunner:
         self._embed_w = self.inner.embed_tokens.weight
         self._final_norm = _Norm.of(self.inner.norm)
         self._head_w, self._head_b = model.lm_head.weight, model.lm_head.bias
+        kernels = None
+        if choose_kernels is not None:
+            kernels = choose_kernels(self._linear_shapes())
+        elif self.device.type == "cpu" and self.dtype == torch.float32:
+            kernels = LinearKernels.timed(self._linear_shapes(), self.dtype, self.device, onednn=self.onednn)
         self.linear: LinearKernels | Callable = F.linear
-        if self.onednn:
-            kernels = LinearKernels(self._linear_shapes(), self.dtype, self.device)
+        if kernels is not None:
+            self._store_transposed(kernels.transposed)
             if kernels.any_onednn:  # else F.linear itself: no lookup per call (~2.5 us each)
                 self.linear = kernels
-        self.linear_kernels = self.linear.summary() if isinstance(self.linear, LinearKernels) else "blas (F.linear)"
+        self.linear_kernels = kernels.summary() if kernels is not None else "blas (F.linear), untimed"
         # One KV cache tensor per layer, [2 (k, v), slots, kv_heads, max_len, head_dim]: a decode step writes a
         # token's k and v with one indexed copy, and (slot, kv head) merge into one batch dimension for the
         # attention's batched matmuls without copying the cache.
@@ -298,14 +348,31 @@ class SlotRunner:
                       k_norm=getattr(attn, "k_norm", None), o_w=attn.o_proj.weight, o_b=attn.o_proj.bias,
                       mlp=mlp, gate_up_w=gate_up_w, gate_up_b=gate_up_b, down_w=down_w, down_b=down_b)
 
-    def _linear_shapes(self) -> list[tuple[int, int, bool]]:
-        """(out, in, has bias) of every weight that goes through `self.linear`."""
+    def _linear_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of every linear that goes through `self.linear`."""
         pairs = [(self._head_w, self._head_b)]
         for layer in self.layers:
             pairs += [(layer.qkv_w, layer.qkv_b), (layer.o_w, layer.o_b)]
             if layer.gate_up_w is not None:
                 pairs += [(layer.gate_up_w, layer.gate_up_b), (layer.down_w, layer.down_b)]
-        return [(w.shape[0], w.shape[1], b is not None) for w, b in pairs]
+        return pairs
+
+    def _linear_shapes(self) -> list[tuple[int, int, bool]]:
+        """(out, in, has bias) of every weight that goes through `self.linear`."""
+        return [(w.shape[0], w.shape[1], b is not None) for w, b in self._linear_weights()]
+
+    def _store_transposed(self, shapes: set[tuple[int, int]]) -> None:
+        """Re-store the weights of these shapes as w.T in memory (`transposed_storage`), the fused buffers with
+        their members re-pointed to row slices of the new storage. Not a weight tied to the embedding: token
+        lookups would then read scattered memory. A weight update keeps the layout: its spare is a clone."""
+        members = {id(buffer): rows for buffer, rows in self.fused_groups}
+        with torch.no_grad():
+            for w, _ in self._linear_weights():
+                if (w.shape[0], w.shape[1]) not in shapes or w is self._embed_w or not w.is_contiguous():
+                    continue
+                w.data = transposed_storage(w.detach())
+                for param, start, end in members.get(id(w), []):
+                    param.data = w.data[start:end]
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position, [max_len, head_dim], from the model's rotary module (the same
