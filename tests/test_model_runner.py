@@ -69,8 +69,12 @@ def test_linear_kernels_summary_names_the_storage_and_each_run_of_row_counts():
     assert kernels.summary() == {"16x8": "stored transposed; blas for 1+ rows"}
 
 
-@pytest.mark.parametrize("kernel", ["blas", "onednn", "transposed-blas", "transposed-onednn"])
-def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel):
+@pytest.mark.parametrize("kernel,attention", [("blas", "cpu"), ("onednn", "cpu"), ("transposed-blas", "cpu"),
+                                              ("transposed-onednn", "cpu"), ("blas", "keys-as-is"),
+                                              ("blas", "sdpa")])
+def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel, attention):
+    """`attention`: "cpu", what a CPU runs (batched matmuls, keys stored transposed); "keys-as-is", the same
+    with keys stored position by position; "sdpa", what other devices run (scaled_dot_product_attention)."""
     if "onednn" in kernel and not HAS_ONEDNN:
         pytest.skip("no oneDNN in this torch build")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -78,6 +82,11 @@ def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel):
     transposed = kernel.startswith("transposed")
     choose = partial(LinearKernels.fixed, transposed=transposed, onednn=kernel.endswith("onednn"))
     runner = SlotRunner(model, num_slots=4, max_len=32, choose_kernels=choose)
+    assert runner.manual_attention and not runner.keys[0].is_contiguous()  # the CPU's choices
+    if attention != "cpu":
+        runner.manual_attention = attention == "keys-as-is"
+        runner._init_kv_cache(keys_transposed=False)
+        assert runner.keys[0].is_contiguous()
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     # the model's own parameters are views of what the runner computes with, in the layout asked for
     layer = runner.layers[0]
