@@ -46,7 +46,7 @@ TIMED_MAX_ROWS = 256
 # the kernels is lost in the arithmetic there, and oneDNN was never measured much slower at those sizes.
 TIMED_MAX_MACS = 1 << 27
 # A weight shape is stored transposed when that makes its linears at least this much faster (see LinearKernels).
-TRANSPOSED_MIN_GAIN = float(os.environ.get("XX_GAIN", "0.05"))
+TRANSPOSED_MIN_GAIN = 0.05
 # Padded tokens per prefill forward: bounds the activations of a batched prefill and the padding it wastes.
 PREFILL_CHUNK_TOKENS = 4096
 # Largest table of per-position rotations for every fused q/k/v head kept precomputed (see `_step_rope`).
