@@ -2,26 +2,27 @@
 
 `SlotRunner` is the fast path for the Llama family (Llama, Qwen2, Qwen3, Mistral without sliding window): it
 runs the layers of the Hugging Face model with its own weights but its own, leaner forward. The KV cache is
-one tensor per layer, [slots, kv_heads, max_len, head_dim]; running sequences occupy slots 0..B-1
-contiguously (a finished sequence's slot is refilled by moving the last one), so a decode step attends over a
-view of the cache, not a gathered copy. What makes it fast on small batches, where per-op overhead and not
-arithmetic dominates:
+one tensor per layer, seen as keys and values [slots, kv_heads, max_len, head_dim]; running sequences occupy
+slots 0..B-1 contiguously (a finished sequence's slot is refilled by moving the last one), so a decode step
+attends over a view of the cache, not a gathered copy. What makes it fast on small batches, where per-op
+overhead and not arithmetic dominates:
 - q/k/v projections share one matmul, and so do the MLP's gate and up projections: at construction the
   model's parameters are re-pointed to row slices of one fused buffer per group, so there is no second copy
   of the weights and an in-place write to a parameter (what a weight switch does) lands in the fused buffer;
 - the rotary cos/sin of every position are computed once (the same values the model's rotary module gives),
   and q and k are rotated together;
 - a decode step attends with the query heads of each kv head grouped as that head's queries, which avoids
-  repeating the keys for grouped-query attention;
-- RMSNorm is one fused op; a decode step builds its cache index (and, only when lengths differ, its
-  attention mask) once for all layers; the last layer's output projection and MLP run on the last prompt
-  position only during prefill;
-- on CPUs, each linear goes through whichever of `F.linear` (BLAS) and oneDNN
-  (`torch.ops.mkldnn._linear_pointwise` on the plain weights, no prepacked copy to keep in sync) was faster
-  for its weight shape and row count on this machine, timed once when the runner is built (`LinearKernels`):
-  which one wins depends on the CPU (oneDNN 1.3-2x faster from 32 x 256 x 1024 up on an AMD EPYC, BLAS
-  1.5-4x faster below 32 x 1024 x 1024 on an Intel Xeon with its ~20 us lower fixed cost).
-  PIPELINERL_ONEDNN=0 keeps every linear on `F.linear`;
+  repeating the keys for grouped-query attention; on CPU, with keys stored transposed, the scores are one
+  plain batched matmul;
+- a decode step builds its cache write offsets (and, only when lengths differ, its attention mask) once for
+  all layers; the last layer's output projection and MLP run on the last prompt position only during
+  prefill; RMSNorm is five ops on CPU, where F.rms_norm runs as about ten;
+- on CPUs, how each weight shape is stored (as is, or transposed so that BLAS gets an untransposed
+  operand) and which kernel multiplies it for how many rows (`F.linear`, i.e. BLAS, or oneDNN's
+  `_linear_pointwise` on the plain weights) are timed once when the runner is built (`LinearKernels`), since
+  the winner depends on the CPU: oneDNN was 1.3-2x faster than BLAS from 32 x 256 x 1024 up on an AMD EPYC;
+  on an Intel Xeon BLAS was faster below 32 x 1024 x 1024 (~20 us less fixed cost per call) and transposed
+  storage 1.2-2x faster still at decode sizes. PIPELINERL_ONEDNN=0 leaves oneDNN out;
 - prompts admitted together are prefilled in one padded forward.
 
 `HFRunner` serves any other causal LM through the model's own forward and a DynamicCache per sequence: one
@@ -253,10 +254,13 @@ class _Norm:
     weight: torch.Tensor
     shape: tuple[int]
     eps: float
+    eps_t: torch.Tensor  # eps as a 0-d tensor, for addcmul
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> _Norm:
-        return cls(module, module.weight, (module.weight.shape[-1],), module.variance_epsilon)
+        w = module.weight
+        eps = module.variance_epsilon
+        return cls(module, w, (w.shape[-1],), eps, torch.tensor(eps, dtype=w.dtype, device=w.device))
 
 
 @dataclass
@@ -434,7 +438,12 @@ class SlotRunner:
     def _norm(self, norm: _Norm, x: torch.Tensor) -> torch.Tensor:
         if self.dtype != torch.float32:  # the model's own norm: it computes in float32 and casts back
             return norm.module(x)
-        return F.rms_norm(x, norm.shape, norm.weight, norm.eps)
+        if self.device.type != "cpu":
+            return F.rms_norm(x, norm.shape, norm.weight, norm.eps)
+        # x * rsqrt(mean(x^2) + eps) * w in five ops: on CPU F.rms_norm runs as about ten (measured 30% slower
+        # at decode sizes, 7% of a tiny model's whole decode step)
+        r = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return torch.mul(x, torch.addcmul(norm.eps_t, r, r, value=1 / norm.shape[0]).rsqrt_()).mul_(norm.weight)
 
     def _rotate_qk(self, layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q and k of qkv [..., heads, head_dim], normalised (Qwen3) and rotated together."""
