@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-cpus", default=None, metavar="LIST",
                    help="embedded engine on CPU: run decoding on these CPUs (e.g. 0 or 0-3) and receive weight "
                         "updates on the others, so that updates do not take the decoding's cores")
+    p.add_argument("--transposed-weights", default="auto", choices=["auto", "all", "none"],
+                   help="embedded engine on CPU: keep copies of the weights stored transposed where that makes "
+                        "decoding faster (auto: where timed faster on this machine at start-up; none: no second "
+                        "copy of the weights in memory). Rebuilt after each update, off the decoding thread")
     p.add_argument("--initial-version", type=int, default=0, help="weight version of the loaded weights")
     p.add_argument("--log-level", default="warning")
 
@@ -72,7 +76,8 @@ def build_app(args: argparse.Namespace):
     split.pin_transfer()
     model, tokenizer = load_model(args.model, args.dtype)
     settings = EngineSettings(max_running_seqs=args.max_running_seqs, max_batch_tokens=args.max_batch_tokens,
-                              max_model_len=args.max_model_len, initial_version=args.initial_version)
+                              max_model_len=args.max_model_len, initial_version=args.initial_version,
+                              transposed_weights=args.transposed_weights)
     engine = EmbeddedEngine(model, args.model, settings, tokenizer, cpus=split)
     app = create_app(engine, title="pipelinerl embedded engine")
     app.router.on_shutdown.append(engine.shutdown)

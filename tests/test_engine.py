@@ -357,3 +357,27 @@ def test_burst_of_requests_is_admitted_as_one_prefill(tiny_model_dir):
         loop.close()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("transposed", ["all", "none"])
+def test_transposed_weight_copies_follow_every_update(tiny_model_dir, tmp_path, transposed):
+    """With `--transposed-weights all` the engine multiplies by transposed copies of every weight (what it does
+    on CPU wherever that was timed faster): after each update it goes back to the live weights, builds new
+    copies off the decoding thread and takes them into use. Greedy output follows the pushed weights either
+    way; with `none` nothing is copied."""
+    with running_engine(tiny_model_dir, tmp_path, extra=["--transposed-weights", transposed]) as client:
+        trainer = Trainer(client, tiny_model_dir)
+        try:
+            for seed, expected_relayouts in ((5, 1), (6, 2)):
+                state = trainer.perturbed(seed=seed)
+                trainer.push(state)
+                if transposed == "all":
+                    wait_until(lambda n=expected_relayouts: client.metrics()["pipelinerl_weight_relayouts_total"] >= n,
+                               f"relayout {expected_relayouts} taken into use")
+                out = client.generate(PROMPT, temperature=0, max_new_tokens=24, ignore_eos=True).completions[0]
+                assert out.token_ids == trainer.greedy_reference(state, PROMPT, 24)
+            m = client.metrics()
+            assert m["pipelinerl_weight_relayouts_total"] == (2 if transposed == "all" else 0)
+            assert (m["pipelinerl_weight_relayout_seconds_total"] > 0) == (transposed == "all")
+        finally:
+            trainer.group.destroy()

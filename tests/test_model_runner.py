@@ -87,14 +87,16 @@ def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel, attention
         runner.manual_attention = attention == "keys-as-is"
         runner._init_kv_cache(keys_transposed=False)
         assert runner.keys[0].is_contiguous()
-    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    # the model's own parameters are views of what the runner computes with, in the layout asked for
+    attn = model.model.layers[0].self_attn
+    # the model's own parameters are views of the fused buffers that a weight switch replaces...
+    qkv_live = runner.fused_groups[0][0]
+    assert attn.k_proj.weight.data_ptr() == qkv_live[attn.q_proj.out_features].data_ptr()
+    # ...and the runner multiplies by those, or by copies stored transposed
     layer = runner.layers[0]
+    assert (layer.qkv_w is qkv_live) != transposed
     for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
         assert w.is_contiguous() != transposed and w.t().is_contiguous() == transposed
-    assert attn.k_proj.weight.data_ptr() == layer.qkv_w[attn.q_proj.out_features].data_ptr()
-    assert mlp.up_proj.weight.untyped_storage().data_ptr() == layer.gate_up_w.untyped_storage().data_ptr()
-    assert runner._head_w.is_contiguous()  # tied to the embedding: kept as is
+    assert runner._head_w is model.lm_head.weight  # tied to the embedding: never copied
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]  # different lengths: padding and the decode mask
     logits = runner.prefill_batch([0, 1, 2], prompts)
     sequences = [list(p) for p in prompts]
@@ -108,3 +110,30 @@ def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel, attention
         for seq, t in zip(sequences, tokens.tolist()):
             seq.append(t)
         logits = runner.decode(tokens, positions)
+
+
+def test_transposed_copies_go_stale_on_a_switch_and_are_rebuilt(tiny_model_dir):
+    """What the engine does around a weight switch: back to the live weights at once, then new copies."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    runner = SlotRunner(model, num_slots=2, max_len=16,
+                        choose_kernels=partial(LinearKernels.fixed, transposed=True))
+    assert len(runner.relayout_slots) == 2 * 4  # q/k/v, o, gate/up, down per layer; the tied head is not copied
+    prompt = [5, 6, 7, 8]
+
+    def logits_equal_reference() -> bool:
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt])).logits[0, -1]
+        return torch.allclose(runner.prefill_batch([0], [prompt])[0], expected, atol=1e-4, rtol=1e-4)
+
+    assert logits_equal_reference()
+    with torch.no_grad():  # a switch: new values in the live weights (here in place, as a partial update does)
+        for m in (model, reference):
+            for name, p in m.named_parameters():
+                if "proj" in name:
+                    p.mul_(1.5)
+    assert not logits_equal_reference()  # the copies still hold the old weights
+    runner.live_weights()
+    assert logits_equal_reference() and runner.layers[0].qkv_w.is_contiguous()
+    runner.use_weights(runner.transposed_weights())
+    assert logits_equal_reference() and not runner.layers[0].qkv_w.is_contiguous()

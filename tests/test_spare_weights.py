@@ -7,25 +7,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipelinerl.engines.embedded.model_runner import LinearKernels, SlotRunner
+from pipelinerl.engines.embedded.model_runner import make_runner
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
 from pipelinerl.weight_sync import TensorSpec, plan_buckets, sibling_order, wire_buffers
 
 CPU = torch.device("cpu")
 
 
-def make_engine_side(model_dir, transposed: bool):
-    """A model, its runner (which re-points q/k/v and gate/up to fused buffers, as the engine does, and with
-    `transposed` re-stores every weight but the tied embedding as w.T), and the spare weights."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    runner = SlotRunner(model, 2, 16, choose_kernels=lambda shapes: LinearKernels.fixed(shapes, transposed))
-    params = dict(model.named_parameters(remove_duplicate=False))
-    return model, runner, params, SpareWeights(params, runner.fused_groups)
-
-
 @pytest.fixture()
 def engine_side(tiny_model_dir):
-    return make_engine_side(tiny_model_dir, transposed=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    runner = make_runner(model, 2, 16)  # re-points q/k/v and gate/up to fused buffers, as the engine does
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return model, runner, params, SpareWeights(params, runner.fused_groups)
 
 
 def state_of(model, seed):
@@ -62,11 +56,8 @@ def assert_live(params, runner, expected):
             assert torch.equal(buffer[start:end], param) and param.data_ptr() == buffer[start:end].data_ptr()
 
 
-@pytest.mark.parametrize("stored", ["as-is", "transposed"])
-def test_updates_in_a_row_are_bit_exact_and_live_weights_untouched_until_the_switch(tiny_model_dir, stored):
-    model, runner, params, spare = make_engine_side(tiny_model_dir, transposed=stored == "transposed")
-    layouts = {n: p.stride() for n, p in params.items()}
-    assert any(not p.is_contiguous() for p in params.values()) == (stored == "transposed")
+def test_updates_in_a_row_are_bit_exact_and_live_weights_untouched_until_the_switch(engine_side):
+    model, runner, params, spare = engine_side
     expected = {n: p.detach().clone() for n, p in model.named_parameters()}
     steps = [(4096, None), (4096, None), (4096, None), (0, None), (4096, None), (1 << 20, None),
              (4096, ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight",
@@ -81,7 +72,6 @@ def test_updates_in_a_row_are_bit_exact_and_live_weights_untouched_until_the_swi
         spare.switch(received)
         expected.update(new)
         assert_live(params, runner, expected)
-        assert {n: p.stride() for n, p in params.items()} == layouts  # the runner's layout choice stays
 
 
 def test_bucketed_update_lands_in_place_and_arenas_take_turns(engine_side):

@@ -62,6 +62,7 @@ class EngineSettings:
     max_batch_tokens: int = 16384
     max_model_len: int = 512
     initial_version: int = 0
+    transposed_weights: str = "auto"  # SlotRunner's `transposed`: "auto", "all" or "none"
 
 
 @dataclass(eq=False)
@@ -137,6 +138,8 @@ class Metrics:
         self.last_update_bytes = 0
         self.last_update_receive_seconds = 0.0
         self.last_update_switch_seconds = 0.0
+        self.relayouts = 0  # transposed copies of the weights built after a switch and taken into use
+        self.relayout_seconds = 0.0
         self.started = time.monotonic()
 
 
@@ -151,7 +154,8 @@ class EmbeddedEngine:
         self.tokenizer = tokenizer
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._cpus = cpus or CpuSplit()  # where decoding and receiving run (cpus.py); default: anywhere
-        self.runner = make_runner(model, settings.max_running_seqs, settings.max_model_len)
+        self.runner = make_runner(model, settings.max_running_seqs, settings.max_model_len,
+                                  settings.transposed_weights)
         if hasattr(self.runner, "linear_kernels"):
             log.info("linear kernels (timed on this machine): %s", self.runner.linear_kernels)
         self.eos_ids = _eos_ids(model)
@@ -172,8 +176,18 @@ class EmbeddedEngine:
         self._abort_flag = False
         self._stopped = False
         self._batch: _DecodeBatch | None = None
+        # Transposed copies of the weights, rebuilt after every switch (see SlotRunner.transposed_weights):
+        # the version to build them for, and the copies built, waiting to be taken into use by the engine thread.
+        self._relayout_cv = threading.Condition()
+        self._relayout_wanted: int | None = None
+        self._relayout_ready: tuple[int, list[torch.Tensor]] | None = None
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
+        self._relayout_thread = None
+        if getattr(self.runner, "relayout_slots", None):
+            self._relayout_thread = threading.Thread(target=self._relayout_loop, name="engine-relayout",
+                                                     daemon=True)
+            self._relayout_thread.start()
 
     # --- contract ------------------------------------------------------------------------------------------
 
@@ -335,6 +349,10 @@ class EmbeddedEngine:
              "seconds receiving the last update"),
             ("last_weight_update_switch_seconds", "gauge", m.last_update_switch_seconds,
              "decode pause for the last update"),
+            ("weight_relayouts_total", "counter", m.relayouts,
+             "updates whose weights were copied transposed (for faster matmuls) and taken into use"),
+            ("weight_relayout_seconds_total", "counter", m.relayout_seconds,
+             "time spent copying updated weights transposed, off the decoding thread"),
         ]
         return render_metrics(rows)
 
@@ -342,7 +360,11 @@ class EmbeddedEngine:
         with self._cv:
             self._stopped = True
             self._cv.notify()
+        with self._relayout_cv:
+            self._relayout_cv.notify()
         self._thread.join(timeout=10)
+        if self._relayout_thread is not None:
+            self._relayout_thread.join(timeout=10)
         if self._group is not None:
             self._group.destroy()
 
@@ -420,7 +442,8 @@ class EmbeddedEngine:
         self._cpus.pin_decoding()
         while True:
             with self._cv:
-                while not (self._running or self._waiting or self._pending or self._abort_flag or self._stopped):
+                while not (self._running or self._waiting or self._pending or self._abort_flag or self._stopped
+                           or self._relayout_ready):
                     self._parked = True  # see _receive_and_switch
                     self._cv.wait()
                 self._parked = False
@@ -428,6 +451,7 @@ class EmbeddedEngine:
                     return
             try:
                 self._switch_weights()
+                self._take_relayout()
                 self._handle_aborts()
                 self._admit()
                 if self._running:
@@ -443,6 +467,11 @@ class EmbeddedEngine:
         t0 = time.perf_counter()
         self._spare.switch(pending.names)
         self.version = pending.version
+        if self._relayout_thread is not None:  # the transposed copies are stale now
+            self.runner.live_weights()
+            with self._relayout_cv:
+                self._relayout_wanted = self.version
+                self._relayout_cv.notify()
         pending.switch_s = time.perf_counter() - t0
         self.metrics.update_switch_seconds += pending.switch_s
         if self._running:
@@ -450,6 +479,34 @@ class EmbeddedEngine:
         with self._cv:
             self._pending = None
         pending.done.set()
+
+    def _take_relayout(self) -> None:
+        """Multiply by the transposed copies built for the current weights, if they are ready; copies built
+        for weights switched out since are dropped."""
+        with self._cv:
+            ready, self._relayout_ready = self._relayout_ready, None
+        if ready is not None and ready[0] == self.version:
+            self.runner.use_weights(ready[1])
+            self.metrics.relayouts += 1
+
+    def _relayout_loop(self) -> None:
+        """Off the decoding thread (on the CPUs that receive updates): after each switch, transposed copies of
+        the new weights. A switch that comes while they are built makes them stale; the engine thread then
+        drops them, and they are built again for the newest weights."""
+        self._cpus.pin_transfer()
+        while True:
+            with self._relayout_cv:
+                while self._relayout_wanted is None and not self._stopped:
+                    self._relayout_cv.wait()
+                if self._stopped:
+                    return
+                version, self._relayout_wanted = self._relayout_wanted, None
+            t0 = time.perf_counter()
+            weights = self.runner.transposed_weights()
+            self.metrics.relayout_seconds += time.perf_counter() - t0
+            with self._cv:
+                self._relayout_ready = (version, weights)
+                self._cv.notify()
 
     def _handle_aborts(self) -> None:
         with self._cv:

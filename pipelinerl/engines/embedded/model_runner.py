@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pipelinerl.weight_sync import copy_into
+
 FAST_PATH_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # LinearKernels times both kernels for row counts 1, 2, 4, ... up to this; more rows use the last decision.
 TIMED_MAX_ROWS = 256
@@ -48,6 +50,7 @@ TIMED_MAX_ROWS = 256
 TIMED_MAX_MACS = 1 << 27
 # A weight shape is stored transposed when that makes its linears at least this much faster (see LinearKernels).
 TRANSPOSED_MIN_GAIN = 0.05
+TRANSPOSED_CHOICES = ("auto", "all", "none")
 # Padded tokens per prefill forward: bounds the activations of a batched prefill and the padding it wastes.
 PREFILL_CHUNK_TOKENS = 4096
 # Largest table of per-position rotations for every fused q/k/v head kept precomputed (see `_step_rope`).
@@ -82,8 +85,8 @@ class LinearKernels:
     `self(x, w, b)` = F.linear(x, w, b) for x [rows, in], through the kernel chosen for w's shape and about
     that many rows: BLAS (`F.linear`) or oneDNN (`_onednn_linear`). `use_onednn[(out, in)][bucket]` says which,
     by row bucket (rows.bit_length(), the last bucket also taking every larger row count). `transposed`: the
-    shapes whose weights are stored as w.T (`transposed_storage`); the runner re-stores them so at
-    construction. `timed` measures all this on the machine; `fixed` sets it."""
+    shapes whose weights are multiplied stored as w.T (`transposed_storage`): the runner keeps such copies of
+    them. `timed` measures all this on the machine; `fixed` sets it."""
 
     def __init__(self, use_onednn: dict[tuple[int, int], list[bool]], transposed: set[tuple[int, int]]):
         self.use_onednn, self.transposed = use_onednn, transposed
@@ -284,11 +287,15 @@ class _Layer:
 
 class SlotRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, onednn: bool | None = None,
-                 choose_kernels: Callable[[list[tuple[int, int, bool]]], LinearKernels] | None = None):
+                 choose_kernels: Callable[[list[tuple[int, int, bool]]], LinearKernels] | None = None,
+                 transposed: str = "auto"):
         """`onednn`: whether oneDNN linears may be chosen (default: where usable, see `_onednn_usable`).
         `choose_kernels(shapes)`: how the weights of these (out, in, has bias) shapes are stored and multiplied.
         By default `LinearKernels.timed` on a CPU with float32 weights; elsewhere every weight stays as it is
-        and goes through F.linear."""
+        and goes through F.linear. `transposed`: "auto" keeps transposed copies of the weights where that was
+        chosen, "all" of every weight multiplied, "none" of none (no second copy of the weights in memory)."""
+        if transposed not in TRANSPOSED_CHOICES:
+            raise ValueError(f"transposed must be one of {', '.join(TRANSPOSED_CHOICES)}, not {transposed!r}")
         self.model = model
         self.inner = model.model
         cfg = model.config
@@ -315,8 +322,13 @@ class SlotRunner:
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             kernels = LinearKernels.timed(self._linear_shapes(), self.dtype, self.device, onednn=self.onednn)
         self.linear: LinearKernels | Callable = F.linear
+        # (holder, attribute, live weight) of every weight the runner multiplies with a transposed copy
+        self.relayout_slots: list[tuple[object, str, torch.Tensor]] = []
         if kernels is not None:
-            self._store_transposed(kernels.transposed)
+            if transposed != "auto":
+                kernels.transposed = set(kernels.use_onednn) if transposed == "all" else set()
+            self.relayout_slots = self._relayout_slots(kernels.transposed)
+            self.use_weights(self.transposed_weights())
             if kernels.any_onednn:  # else F.linear itself: no lookup per call (~2.5 us each)
                 self.linear = kernels
         self.linear_kernels = kernels.summary() if kernels is not None else "blas (F.linear), untimed"
@@ -358,18 +370,44 @@ class SlotRunner:
         """(out, in, has bias) of every weight that goes through `self.linear`."""
         return [(w.shape[0], w.shape[1], b is not None) for w, b in self._linear_weights()]
 
-    def _store_transposed(self, shapes: set[tuple[int, int]]) -> None:
-        """Re-store the weights of these shapes as w.T in memory (`transposed_storage`), the fused buffers with
-        their members re-pointed to row slices of the new storage. Not a weight tied to the embedding: token
-        lookups would then read scattered memory. A weight update keeps the layout: its spare is a clone."""
-        members = {id(buffer): rows for buffer, rows in self.fused_groups}
+    def _relayout_slots(self, shapes: set[tuple[int, int]]) -> list[tuple[object, str, torch.Tensor]]:
+        """Where the weights of these shapes are read from: (holder, attribute, live weight). Not a weight tied
+        to the embedding, whose lookups read it row by row."""
+        slots: list[tuple[object, str, torch.Tensor]] = [(self, "_head_w", self._head_w)]
+        for layer in self.layers:
+            slots += [(layer, "qkv_w", layer.qkv_w), (layer, "o_w", layer.o_w)]
+            if layer.gate_up_w is not None:
+                slots += [(layer, "gate_up_w", layer.gate_up_w), (layer, "down_w", layer.down_w)]
+        return [(holder, attr, w) for holder, attr, w in slots
+                if (w.shape[0], w.shape[1]) in shapes and w is not self._embed_w]
+
+    # --- weights stored transposed -------------------------------------------------------------------------
+    # The model's parameters (and the fused buffers they are views of) stay as the wire lays them, so that an
+    # update lands in them with no copy (spare_weights.py). Where multiplying by a weight is faster with it
+    # stored transposed (`LinearKernels.transposed`), the runner multiplies by a transposed copy instead. A
+    # weight switch makes the copies stale: the engine then goes back to the live weights (`live_weights`, the
+    # same numbers, a slower kernel), builds new copies off the decoding thread (`transposed_weights`) and
+    # hands them over between two steps (`use_weights`), unless another switch came first.
+
+    def transposed_weights(self) -> list[torch.Tensor]:
+        """Transposed copies of the current live weights in `relayout_slots` (read only: safe while decoding)."""
+        copies = []
         with torch.no_grad():
-            for w, _ in self._linear_weights():
-                if (w.shape[0], w.shape[1]) not in shapes or w is self._embed_w or not w.is_contiguous():
-                    continue
-                w.data = transposed_storage(w.detach())
-                for param, start, end in members.get(id(w), []):
-                    param.data = w.data[start:end]
+            for _, _, live in self.relayout_slots:
+                w = live.detach()
+                copy = torch.empty(w.shape[::-1], dtype=w.dtype, device=w.device).t()
+                copy_into(copy, w)
+                copies.append(copy)
+        return copies
+
+    def use_weights(self, weights: Sequence[torch.Tensor]) -> None:
+        """Multiply by these (one per relayout slot) from the next step on. Between steps only."""
+        for (holder, attr, _), w in zip(self.relayout_slots, weights, strict=True):
+            setattr(holder, attr, w)
+
+    def live_weights(self) -> None:
+        """Multiply by the live weights themselves: call right after a switch. Between steps only."""
+        self.use_weights([live for _, _, live in self.relayout_slots])
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position, [max_len, head_dim], from the model's rotary module (the same
@@ -630,9 +668,10 @@ class HFRunner:
         return torch.stack(rows)
 
 
-def make_runner(model: torch.nn.Module, num_slots: int, max_len: int) -> SlotRunner | HFRunner:
+def make_runner(model: torch.nn.Module, num_slots: int, max_len: int,
+                transposed: str = "auto") -> SlotRunner | HFRunner:
     if supports_fast_path(model):
-        return SlotRunner(model, num_slots, max_len)
+        return SlotRunner(model, num_slots, max_len, transposed=transposed)
     return HFRunner(model, num_slots, max_len)
 
 

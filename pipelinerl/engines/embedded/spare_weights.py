@@ -9,9 +9,8 @@ A bucketed update is received into an *arena*: flat buffers laid out as the wire
 piece of the arena (a parameter on its own, or a fused buffer whose members arrive back to back, like the
 runner's q/k/v rows in the trainer's `sibling_order`) the spare *is* that piece and the switch makes it live.
 A tensor alone in its bucket is received straight into its spare wherever that is. What is left (a fused
-buffer whose members the wire interleaves with other tensors or splits across buckets, a weight the runner
-stores transposed) is copied out of the arena into its spare as each bucket arrives, overlapped with the
-rest of the transfer. Two arenas per update
+buffer whose members the wire interleaves with other tensors or splits across buckets) is copied out of the
+arena into its spare as each bucket arrives, overlapped with the rest of the transfer. Two arenas per update
 layout take turns, so steady-state updates allocate nothing: the one being received into is never one the
 live weights point into. A new layout (another bucket size or parameter list) gets new arenas; the old ones
 are freed once no weight points into them.
@@ -53,12 +52,13 @@ class _Storage:
         -> arena tensor), or None when the members do not lie there exactly as this storage lays them out:
         all of them, back to back in row order, covering every row."""
         live = self.live
-        # The wire lays tensors out row-major: a weight the runner stores transposed is copied into its spare.
-        if len(received) != len(self.members) or not live.is_contiguous():
+        if len(received) != len(self.members):
             return None
         if self.members[0][1] is None:  # a parameter on its own
             t = received[0]
             return t if (t.dtype, t.shape) == (live.dtype, live.shape) else None
+        if not live.is_contiguous():
+            return None
         first = received[min(received, key=lambda m: self.members[m][1])]
         row, address = 0, first.data_ptr()
         for m in sorted(received, key=lambda m: self.members[m][1]):
@@ -192,8 +192,7 @@ class SpareWeights:
             storage, member = self._where[spec.name]
             received.setdefault(id(storage), (storage, {}))[1][member] = i
         # A tensor alone in its bucket, with no padding, is received wherever it is asked to be: straight into
-        # its spare, even a row slice of a fused buffer split across buckets, unless the spare is stored
-        # transposed (the wire is row-major).
+        # its spare, even a row slice of a fused buffer split across buckets.
         alone = {b[0] for b in plan_buckets(specs, bucket_bytes) if len(b) == 1 and specs[b[0]].nbytes % ALIGN == 0}
         for storage, members in received.values():
             region = storage.arena_region({m: arena.targets[i] for m, i in members.items()})
@@ -201,8 +200,7 @@ class SpareWeights:
                 arena.regions.append((storage, region))
                 continue
             for m, i in members.items():
-                direct = i in alone and storage.live.is_contiguous()
-                (arena.direct if direct else arena.copied).append((storage, m, i))
+                (arena.direct if i in alone else arena.copied).append((storage, m, i))
         return arena
 
     def switch(self, names: list[str]) -> None:
