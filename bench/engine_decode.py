@@ -7,8 +7,9 @@ prefill is included on both sides:
   together on one event loop;
 - engine over HTTP (first model only): the same batch posted concurrently to a real engine server process
   (`pipelinerl serve`) through the actor's client (`AsyncEngineClient`, kept from round to round);
-- engine with aten linears: the in-process engine with oneDNN linears off (PIPELINERL_ONEDNN=0; the weight
-  layouts are still timed), to show what the choice of oneDNN contributes;
+- engine without transposed copies: the in-process engine with `transposed_weights="none"` (the server's
+  `--transposed-weights none`), multiplying by the weights as they are stored, to show what the copies
+  contribute;
 - Hugging Face: `model.generate(input_ids [BATCH, PROMPT_LEN], do_sample=False, max_new_tokens=NEW_TOKENS,
   min_new_tokens=NEW_TOKENS)` with its default DynamicCache.
 Every side runs with THREADS torch threads; the runs are interleaved (warm-up, then REPEATS rounds, each
@@ -25,7 +26,6 @@ seconds (with one thread each side runs on one core at a time), `ratio_best` the
 from __future__ import annotations
 
 import asyncio
-import os
 import tempfile
 from pathlib import Path
 
@@ -70,9 +70,9 @@ def run(quick: bool = False) -> dict:
 def measure_model(path: Path, prompts: torch.Tensor, repeats: int, with_http: bool, log_dir: Path) -> dict:
     """Interleaved timings of every side on one model: tokens/s from the medians, ratios per round."""
     engine = _in_process_engine(path)
-    aten_engine = _in_process_engine(path, onednn=False)
+    plain_engine = _in_process_engine(path, transposed="none")
     hf = _load(path)
-    runs = {"engine": EngineBatch(engine, prompts), "engine_aten": EngineBatch(aten_engine, prompts),
+    runs = {"engine": EngineBatch(engine, prompts), "engine_no_copies": EngineBatch(plain_engine, prompts),
             "hf": lambda: _hf_batch(hf, prompts)}
     server = _start_server(path, log_dir) if with_http else None
     try:
@@ -88,7 +88,7 @@ def measure_model(path: Path, prompts: torch.Tensor, repeats: int, with_http: bo
             _stop_server(server)
     tokens = BATCH * NEW_TOKENS
     med = {name: median(ts) for name, ts in wall.items()}
-    med_cpu = {name: median(cpu[name]) for name in ("engine", "engine_aten", "hf")}
+    med_cpu = {name: median(cpu[name]) for name in ("engine", "engine_no_copies", "hf")}
     def per_round(side: str) -> list[float]:
         return sorted(h / e for h, e in zip(wall["hf"], wall[side]))
 
@@ -103,10 +103,10 @@ def measure_model(path: Path, prompts: torch.Tensor, repeats: int, with_http: bo
     if "engine_http" in med:
         row["ratio_http"] = round(median(per_round("engine_http")), 3)
     row.update({
-        "ratio_aten_linears": round(median(per_round("engine_aten")), 3),
+        "ratio_no_copies": round(median(per_round("engine_no_copies")), 3),
         "ratio_best": round(min(wall["hf"]) / min(wall["engine"]), 3),
         "ratio_cpu_time": round(med_cpu["hf"] / med_cpu["engine"], 3),
-        "ratio_cpu_time_aten_linears": round(med_cpu["hf"] / med_cpu["engine_aten"], 3),
+        "ratio_cpu_time_no_copies": round(med_cpu["hf"] / med_cpu["engine_no_copies"], 3),
         "engine_decode_step_ms": round(step_ms, 3),
         "wall_seconds": {name: [round(t, 4) for t in ts] for name, ts in wall.items()},
         "cpu_seconds": {name: [round(cpu[name][i], 4) for i in range(len(cpu[name]))] for name in med_cpu},
@@ -120,19 +120,12 @@ def _load(path: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-def _in_process_engine(path: Path, onednn: bool = True):
+def _in_process_engine(path: Path, transposed: str = "auto"):
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
 
-    previous = os.environ.get("PIPELINERL_ONEDNN")
-    os.environ["PIPELINERL_ONEDNN"] = "1" if onednn else "0"
-    try:
-        settings = EngineSettings(max_running_seqs=BATCH, max_model_len=PROMPT_LEN + NEW_TOKENS)
-        return EmbeddedEngine(_load(path), str(path), settings)
-    finally:
-        if previous is None:
-            os.environ.pop("PIPELINERL_ONEDNN")
-        else:
-            os.environ["PIPELINERL_ONEDNN"] = previous
+    settings = EngineSettings(max_running_seqs=BATCH, max_model_len=PROMPT_LEN + NEW_TOKENS,
+                              transposed_weights=transposed)
+    return EmbeddedEngine(_load(path), str(path), settings)
 
 
 class EngineBatch:

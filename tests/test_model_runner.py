@@ -16,6 +16,7 @@ from pipelinerl.engines.embedded.model_runner import (
     _onednn_usable,
     transposed_storage,
 )
+from pipelinerl.weight_sync import copy_into
 
 CPU = torch.device("cpu")
 HAS_ONEDNN = _onednn_usable(CPU, torch.float32)
@@ -137,3 +138,14 @@ def test_transposed_copies_go_stale_on_a_switch_and_are_rebuilt(tiny_model_dir):
     assert logits_equal_reference() and runner.layers[0].qkv_w.is_contiguous()
     runner.use_weights(runner.transposed_weights())
     assert logits_equal_reference() and not runner.layers[0].qkv_w.is_contiguous()
+
+
+@pytest.mark.parametrize("shape", [(48, 32), (1200, 640)], ids=["one-pass", "in-panels"])  # 0.1 MB, 3 MB
+def test_copy_into_transposed_storage_copies_every_element(shape):
+    src = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    dst = transposed_storage(torch.zeros(shape))
+    copy_into(dst, src)
+    assert torch.equal(dst, src) and dst.t().is_contiguous()
+    plain = torch.zeros(shape)
+    copy_into(plain, src)
+    assert torch.equal(plain, src)

@@ -180,7 +180,7 @@ class EmbeddedEngine:
         # the version to build them for, and the copies built, waiting to be taken into use by the engine thread.
         self._relayout_cv = threading.Condition()
         self._relayout_wanted: int | None = None
-        self._relayout_ready: tuple[int, list[torch.Tensor]] | None = None
+        self._relayout_ready: list[tuple[int, int, torch.Tensor]] = []  # (version, slot, copy)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
         self._relayout_thread = None
@@ -481,18 +481,20 @@ class EmbeddedEngine:
         pending.done.set()
 
     def _take_relayout(self) -> None:
-        """Multiply by the transposed copies built for the current weights, if they are ready; copies built
-        for weights switched out since are dropped."""
+        """Multiply by the transposed copies built so far for the current weights; copies built for weights
+        switched out since are dropped."""
         with self._cv:
-            ready, self._relayout_ready = self._relayout_ready, None
-        if ready is not None and ready[0] == self.version:
-            self.runner.use_weights(ready[1])
-            self.metrics.relayouts += 1
+            ready, self._relayout_ready = self._relayout_ready, []
+        last = len(self.runner.relayout_slots) - 1
+        for version, slot, copy in ready:
+            if version == self.version:
+                self.runner.use_weights([copy], first=slot)
+                self.metrics.relayouts += slot == last
 
     def _relayout_loop(self) -> None:
         """Off the decoding thread (on the CPUs that receive updates): after each switch, transposed copies of
-        the new weights. A switch that comes while they are built makes them stale; the engine thread then
-        drops them, and they are built again for the newest weights."""
+        the new weights, handed over one by one as they are made (the engine thread multiplies by the live
+        weights meanwhile). A newer switch makes them stale: building stops, and starts again for it."""
         self._cpus.pin_transfer()
         while True:
             with self._relayout_cv:
@@ -502,11 +504,13 @@ class EmbeddedEngine:
                     return
                 version, self._relayout_wanted = self._relayout_wanted, None
             t0 = time.perf_counter()
-            weights = self.runner.transposed_weights()
+            for slot, copy in enumerate(self.runner.transposed_copies()):
+                with self._cv:
+                    if self.version != version or self._stopped:
+                        break
+                    self._relayout_ready.append((version, slot, copy))
+                    self._cv.notify()
             self.metrics.relayout_seconds += time.perf_counter() - t0
-            with self._cv:
-                self._relayout_ready = (version, weights)
-                self._cv.notify()
 
     def _handle_aborts(self) -> None:
         with self._cv:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -389,20 +389,23 @@ class SlotRunner:
     # same numbers, a slower kernel), builds new copies off the decoding thread (`transposed_weights`) and
     # hands them over between two steps (`use_weights`), unless another switch came first.
 
-    def transposed_weights(self) -> list[torch.Tensor]:
-        """Transposed copies of the current live weights in `relayout_slots` (read only: safe while decoding)."""
-        copies = []
+    def transposed_copies(self) -> Iterator[torch.Tensor]:
+        """Transposed copies of the current live weights in `relayout_slots`, one by one (reads only: safe
+        while decoding)."""
         with torch.no_grad():
             for _, _, live in self.relayout_slots:
                 w = live.detach()
                 copy = torch.empty(w.shape[::-1], dtype=w.dtype, device=w.device).t()
                 copy_into(copy, w)
-                copies.append(copy)
-        return copies
+                yield copy
 
-    def use_weights(self, weights: Sequence[torch.Tensor]) -> None:
-        """Multiply by these (one per relayout slot) from the next step on. Between steps only."""
-        for (holder, attr, _), w in zip(self.relayout_slots, weights, strict=True):
+    def transposed_weights(self) -> list[torch.Tensor]:
+        return list(self.transposed_copies())
+
+    def use_weights(self, weights: Sequence[torch.Tensor], first: int = 0) -> None:
+        """Multiply by these from the next step on, for relayout slots `first`, `first` + 1, ...
+        Between steps only."""
+        for (holder, attr, _), w in zip(self.relayout_slots[first:], weights):
             setattr(holder, attr, w)
 
     def live_weights(self) -> None:
