@@ -44,6 +44,9 @@ ROUNDS, QUICK_ROUNDS = 7, 3  # windows with updates; each sits between two windo
 # decoding on THREADS cores of its own, weight receiving and this process (the trainer's broadcast, the load)
 # on the rest. Set it False to measure everything sharing every core (about 70% kept on 2 cores).
 SPLIT_CPUS = True
+# The engine's `--transposed-weights` (its default: auto). "none" measures the engine without transposed copies
+# of the weights, which an update makes stale until they are rebuilt.
+TRANSPOSED_WEIGHTS = "auto"
 
 
 def cpu_split() -> tuple[list[int], list[int]] | None:
@@ -266,6 +269,7 @@ def _result(model: dict, windows: list[dict], final: dict, trainer: Trainer, err
         "settings": {"model": model, "engine_threads": THREADS, "trainer_threads": THREADS,
                      "concurrent_requests": CONCURRENT, "prompt_len": PROMPT_LEN, "max_new_tokens": MAX_NEW,
                      "sampling": "temperature 1.0, EOS ignored", "bucket_bytes": BUCKET_BYTES,
+                     "transposed_weights": TRANSPOSED_WEIGHTS,
                      "backend": "gloo (loopback)", "window_s": window_s, "windows_with_updates": rounds,
                      "decode_cpus": split[0] if split else "all",
                      "trainer_and_receive_cpus": split[1] if split else "all",
@@ -298,7 +302,8 @@ def _start_engine(path: Path, log_dir: Path, split: tuple[list[int], list[int]] 
 
     port = free_port()
     log = log_dir / f"engine-{port}.log"
-    extra = ["--max-running-seqs", str(CONCURRENT), "--max-model-len", str(PROMPT_LEN + MAX_NEW),
+    extra = ["--transposed-weights", TRANSPOSED_WEIGHTS,
+             "--max-running-seqs", str(CONCURRENT), "--max-model-len", str(PROMPT_LEN + MAX_NEW),
              "--max-batch-tokens", str(CONCURRENT * (PROMPT_LEN + MAX_NEW)), "--threads", str(THREADS)]
     if split:
         extra += ["--decode-cpus", ",".join(map(str, split[0]))]

@@ -67,7 +67,7 @@ def test_linear_kernels_summary_names_the_storage_and_each_run_of_row_counts():
     assert kernels.any_onednn
     assert not forced(kernels, lambda k: False).any_onednn
     kernels = LinearKernels.fixed([(16, 8, False)], transposed=True)
-    assert kernels.summary() == {"16x8": "stored transposed; blas for 1+ rows"}
+    assert kernels.summary() == {"16x8": "transposed copy; blas for 1+ rows"}
 
 
 @pytest.mark.parametrize("kernel,attention", [("blas", "cpu"), ("onednn", "cpu"), ("transposed-blas", "cpu"),

@@ -17,12 +17,13 @@ overhead and not arithmetic dominates:
 - a decode step builds its cache write offsets (and, only when lengths differ, its attention mask) once for
   all layers; the last layer's output projection and MLP run on the last prompt position only during
   prefill; RMSNorm is five ops on CPU, where F.rms_norm runs as about ten;
-- on CPUs, how each weight shape is stored (as is, or transposed so that BLAS gets an untransposed
-  operand) and which kernel multiplies it for how many rows (`F.linear`, i.e. BLAS, or oneDNN's
-  `_linear_pointwise` on the plain weights) are timed once when the runner is built (`LinearKernels`), since
-  the winner depends on the CPU: oneDNN was 1.3-2x faster than BLAS from 32 x 256 x 1024 up on an AMD EPYC;
-  on an Intel Xeon BLAS was faster below 32 x 1024 x 1024 (~20 us less fixed cost per call) and transposed
-  storage 1.2-2x faster still at decode sizes. PIPELINERL_ONEDNN=0 leaves oneDNN out;
+- on CPUs, whether each weight shape is multiplied through a copy stored transposed (so that BLAS gets an
+  untransposed operand; see "weights stored transposed" below) and which kernel multiplies it for how many
+  rows (`F.linear`, i.e. BLAS, or oneDNN's `_linear_pointwise`) are timed once when the runner is built
+  (`LinearKernels`), since the winner depends on the CPU: oneDNN was 1.3-2x faster than BLAS from
+  32 x 256 x 1024 up on an AMD EPYC; on an Intel Xeon BLAS was faster below 32 x 1024 x 1024 (~20 us less
+  fixed cost per call) and the transposed copies 1.2-2x faster still at decode sizes. PIPELINERL_ONEDNN=0
+  leaves oneDNN out;
 - prompts admitted together are prefilled in one padded forward.
 
 `HFRunner` serves any other causal LM through the model's own forward and a DynamicCache per sequence: one
@@ -48,7 +49,7 @@ TIMED_MAX_ROWS = 256
 # Products of at least this many multiply-adds are not timed and use oneDNN: the fixed cost that separates
 # the kernels is lost in the arithmetic there, and oneDNN was never measured much slower at those sizes.
 TIMED_MAX_MACS = 1 << 27
-# A weight shape is stored transposed when that makes its linears at least this much faster (see LinearKernels).
+# A weight shape gets transposed copies when that makes its linears at least this much faster (LinearKernels).
 TRANSPOSED_MIN_GAIN = 0.05
 TRANSPOSED_CHOICES = ("auto", "all", "none")
 # Padded tokens per prefill forward: bounds the activations of a batched prefill and the padding it wastes.
@@ -80,7 +81,7 @@ def transposed_storage(w: torch.Tensor) -> torch.Tensor:
 
 
 class LinearKernels:
-    """How each weight shape is stored and multiplied.
+    """How each weight shape is multiplied: through a transposed copy or not, and by which kernel.
 
     `self(x, w, b)` = F.linear(x, w, b) for x [rows, in], through the kernel chosen for w's shape and about
     that many rows: BLAS (`F.linear`) or oneDNN (`_onednn_linear`). `use_onednn[(out, in)][bucket]` says which,
@@ -105,7 +106,7 @@ class LinearKernels:
               onednn: bool = True, repeats: int = 5) -> LinearKernels:
         """Times every combination of storage and kernel (oneDNN only with `onednn`) on random inputs of each
         weight shape, for row counts 1, 2, 4, ... TIMED_MAX_ROWS (interleaved, best of `repeats` calls each).
-        A shape is stored transposed when that made its best kernel at least TRANSPOSED_MIN_GAIN faster,
+        A shape is multiplied transposed when that made its best kernel at least TRANSPOSED_MIN_GAIN faster,
         geometric mean over the row counts timed; then each row count gets the faster kernel for that storage.
         Products of TIMED_MAX_MACS and more are not timed and use oneDNN where it is on."""
         use_onednn, transposed = {}, set()
@@ -142,7 +143,7 @@ class LinearKernels:
         return F.linear(x, w, b)
 
     def summary(self) -> dict[str, str]:
-        """{'OUTxIN': e.g. 'stored transposed; blas for 1-32, onednn for 64+ rows'}: how each weight shape is
+        """{'OUTxIN': e.g. 'transposed copy; blas for 1-32, onednn for 64+ rows'}: how each weight shape is
         stored and which kernel it uses for how many rows."""
         out = {}
         for (o, i), choices in self.use_onednn.items():
@@ -154,7 +155,7 @@ class LinearKernels:
                 else:
                     runs.append([kernel, rows, rows])
             runs[-1][2] = None  # the last bucket also takes every larger row count
-            layout = "stored transposed; " if (o, i) in self.transposed else ""
+            layout = "transposed copy; " if (o, i) in self.transposed else ""
             out[f"{o}x{i}"] = layout + ", ".join(f"{k} for {lo}+" if hi is None else f"{k} for {lo}-{hi}" if hi > lo
                                                  else f"{k} for {lo}" for k, lo, hi in runs) + " rows"
         return out
@@ -290,7 +291,7 @@ class SlotRunner:
                  choose_kernels: Callable[[list[tuple[int, int, bool]]], LinearKernels] | None = None,
                  transposed: str = "auto"):
         """`onednn`: whether oneDNN linears may be chosen (default: where usable, see `_onednn_usable`).
-        `choose_kernels(shapes)`: how the weights of these (out, in, has bias) shapes are stored and multiplied.
+        `choose_kernels(shapes)`: how the weights of these (out, in, has bias) shapes are multiplied.
         By default `LinearKernels.timed` on a CPU with float32 weights; elsewhere every weight stays as it is
         and goes through F.linear. `transposed`: "auto" keeps transposed copies of the weights where that was
         chosen, "all" of every weight multiplied, "none" of none (no second copy of the weights in memory)."""
