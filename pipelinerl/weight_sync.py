@@ -42,10 +42,6 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # Broadcasts in flight at once: (un)packing one bucket overlaps the transfer of the one before it.
 PIPELINE_DEPTH = 2
-# `copy_into` copies a matrix into transposed storage panel by panel from this size up, in panels of this many
-# rows (measured on CPUs: below ~2 MB one pass is as fast; 64 rows fastest from 1 to 18 MB).
-TRANSPOSE_PANEL_MIN_BYTES = 2 << 20
-TRANSPOSE_PANEL_ROWS = 64
 
 
 class WeightSyncError(RuntimeError):
@@ -407,23 +403,7 @@ def _unpack(received: torch.Tensor, specs: Sequence[TensorSpec], bucket: _Bucket
     flat = received.reshape(-1).view(torch.uint8)
     for i, offset in zip(bucket.indices, bucket.offsets):
         spec = specs[i]
-        copy_into(result[i], flat[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape))
-
-
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src), also fast where dst is a matrix stored transposed (dst.t() contiguous, as the embedded
-    engine stores some weights) and src is not: written in the order of dst's memory, which torch's copy
-    does not do on its own (measured 1.5-2x faster on a CPU), and in panels of TRANSPOSE_PANEL_ROWS rows of
-    src for a large matrix, whose columns then stay in cache (up to 5x faster)."""
-    if dst.dim() != 2 or dst.is_contiguous() or not dst.t().is_contiguous() or src.stride() == dst.stride():
-        dst.copy_(src)
-        return
-    memory = dst.t()
-    if src.numel() * src.element_size() <= TRANSPOSE_PANEL_MIN_BYTES:
-        memory.copy_(src.t())
-        return
-    for row in range(0, src.shape[0], TRANSPOSE_PANEL_ROWS):
-        memory[:, row:row + TRANSPOSE_PANEL_ROWS].copy_(src[row:row + TRANSPOSE_PANEL_ROWS].t())
+        result[i].copy_(flat[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape))
 
 
 def _on_wire(flat: torch.Tensor, specs: Sequence[TensorSpec], bucket: _Bucket, bucket_bytes: int) -> torch.Tensor:

@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from pipelinerl.engines.embedded import transpose
 from pipelinerl.engines.embedded.model_runner import (
     TIMED_MAX_ROWS,
     LinearKernels,
     SlotRunner,
     _onednn_usable,
-    transposed_storage,
 )
-from pipelinerl.weight_sync import copy_into
+from pipelinerl.engines.embedded.transpose import transposed_copy
 
 CPU = torch.device("cpu")
 HAS_ONEDNN = _onednn_usable(CPU, torch.float32)
@@ -42,7 +42,7 @@ def test_linear_kernels_compute_linear_for_every_row_count(pattern, stored):
     for out_f, in_f, has_bias in shapes:
         w = torch.randn(out_f, in_f, generator=g)
         b = torch.randn(out_f, generator=g) if has_bias else None
-        weight = transposed_storage(w) if (out_f, in_f) in kernels.transposed else w
+        weight = transposed_copy(w) if (out_f, in_f) in kernels.transposed else w
         assert weight.is_contiguous() == (stored == "as-is")
         for rows in (1, 2, 3, 7, 33, TIMED_MAX_ROWS, TIMED_MAX_ROWS + 100):
             x = torch.randn(rows, in_f, generator=g)
@@ -140,12 +140,14 @@ def test_transposed_copies_go_stale_on_a_switch_and_are_rebuilt(tiny_model_dir):
     assert logits_equal_reference() and not runner.layers[0].qkv_w.is_contiguous()
 
 
-@pytest.mark.parametrize("shape", [(48, 32), (1200, 640)], ids=["one-pass", "in-panels"])  # 0.1 MB, 3 MB
-def test_copy_into_transposed_storage_copies_every_element(shape):
-    src = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    dst = transposed_storage(torch.zeros(shape))
-    copy_into(dst, src)
-    assert torch.equal(dst, src) and dst.t().is_contiguous()
-    plain = torch.zeros(shape)
-    copy_into(plain, src)
-    assert torch.equal(plain, src)
+@pytest.mark.parametrize("mkl", [True, False], ids=["mkl", "torch"])
+@pytest.mark.parametrize("shape", [(48, 32), (1200, 640), (0, 8)], ids=["small", "large", "empty"])  # 3 MB
+def test_transposed_copy_has_every_value_and_the_transposed_layout(shape, mkl, monkeypatch):
+    if mkl and transpose._mkl_omatcopy(torch.float32) is None:
+        pytest.skip("no MKL in this torch build")
+    if not mkl:
+        monkeypatch.setattr(transpose, "_mkl_omatcopy", lambda dtype: None)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+        copy = transposed_copy(w[:, 1:][:, :-1] if shape[1] > 2 else w)  # a non-contiguous source too
+        assert torch.equal(copy, w[:, 1:][:, :-1] if shape[1] > 2 else w) and copy.t().is_contiguous()

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipelinerl.weight_sync import copy_into
+from pipelinerl.engines.embedded.transpose import transposed_copy
 
 FAST_PATH_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # LinearKernels times both kernels for row counts 1, 2, 4, ... up to this; more rows use the last decision.
@@ -74,10 +74,6 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise.default(x, w, b, "none", [], "")
 
 
-def transposed_storage(w: torch.Tensor) -> torch.Tensor:
-    """w's values in memory laid out as w.T: the same [out, in] tensor to every op, but F.linear then hands
-    BLAS an untransposed right-hand side."""
-    return w.t().contiguous().t()
 
 
 class LinearKernels:
@@ -86,7 +82,7 @@ class LinearKernels:
     `self(x, w, b)` = F.linear(x, w, b) for x [rows, in], through the kernel chosen for w's shape and about
     that many rows: BLAS (`F.linear`) or oneDNN (`_onednn_linear`). `use_onednn[(out, in)][bucket]` says which,
     by row bucket (rows.bit_length(), the last bucket also taking every larger row count). `transposed`: the
-    shapes whose weights are multiplied stored as w.T (`transposed_storage`): the runner keeps such copies of
+    shapes whose weights are multiplied stored as w.T (`transposed_copy`): the runner keeps such copies of
     them. `timed` measures all this on the machine; `fixed` sets it."""
 
     def __init__(self, use_onednn: dict[tuple[int, int], list[bool]], transposed: set[tuple[int, int]]):
@@ -113,7 +109,7 @@ class LinearKernels:
         kernels = [F.linear, _onednn_linear] if onednn else [F.linear]
         for out_f, in_f, has_bias in sorted(set(shapes)):
             w = torch.randn(out_f, in_f, dtype=dtype, device=device)
-            layouts = (w, transposed_storage(w))
+            layouts = (w, transposed_copy(w))
             b = torch.randn(out_f, dtype=dtype, device=device) if has_bias else None
             best: list[dict | None] = []  # per bucket from 1, {(layout, kernel): seconds}; None: not timed
             for bucket in range(1, TIMED_MAX_ROWS.bit_length() + 1):
@@ -393,12 +389,8 @@ class SlotRunner:
     def transposed_copies(self) -> Iterator[torch.Tensor]:
         """Transposed copies of the current live weights in `relayout_slots`, one by one (reads only: safe
         while decoding)."""
-        with torch.no_grad():
-            for _, _, live in self.relayout_slots:
-                w = live.detach()
-                copy = torch.empty(w.shape[::-1], dtype=w.dtype, device=w.device).t()
-                copy_into(copy, w)
-                yield copy
+        for _, _, live in self.relayout_slots:
+            yield transposed_copy(live)
 
     def transposed_weights(self) -> list[torch.Tensor]:
         return list(self.transposed_copies())
