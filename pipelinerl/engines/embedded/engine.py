@@ -176,7 +176,7 @@ class EmbeddedEngine:
         self._abort_flag = False
         self._stopped = False
         self._batch: _DecodeBatch | None = None
-        # Transposed copies of the weights, rebuilt after every switch (see SlotRunner.transposed_weights):
+        # Transposed copies of the weights, rebuilt after every switch (see SlotRunner.transposed_copies):
         # the version to build them for, and the copies built, waiting to be taken into use by the engine thread.
         self._relayout_cv = threading.Condition()
         self._relayout_wanted: int | None = None
@@ -489,7 +489,8 @@ class EmbeddedEngine:
         for version, slot, copy in ready:
             if version == self.version:
                 self.runner.use_weights([copy], first=slot)
-                self.metrics.relayouts += slot == last
+                if slot == last:
+                    self.metrics.relayouts += 1
 
     def _relayout_loop(self) -> None:
         """Off the decoding thread (on the CPUs that receive updates): after each switch, transposed copies of
