@@ -354,28 +354,25 @@ class SlotRunner:
                       k_norm=getattr(attn, "k_norm", None), o_w=attn.o_proj.weight, o_b=attn.o_proj.bias,
                       mlp=mlp, gate_up_w=gate_up_w, gate_up_b=gate_up_b, down_w=down_w, down_b=down_b)
 
-    def _linear_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(weight, bias) of every linear that goes through `self.linear`."""
-        pairs = [(self._head_w, self._head_b)]
+    def _linears(self) -> list[tuple[object, str, torch.Tensor, torch.Tensor | None]]:
+        """(holder, attribute, weight, bias) of every linear that goes through `self.linear`."""
+        linears: list[tuple[object, str, torch.Tensor, torch.Tensor | None]] = [
+            (self, "_head_w", self._head_w, self._head_b)]
         for layer in self.layers:
-            pairs += [(layer.qkv_w, layer.qkv_b), (layer.o_w, layer.o_b)]
+            linears += [(layer, "qkv_w", layer.qkv_w, layer.qkv_b), (layer, "o_w", layer.o_w, layer.o_b)]
             if layer.gate_up_w is not None:
-                pairs += [(layer.gate_up_w, layer.gate_up_b), (layer.down_w, layer.down_b)]
-        return pairs
+                linears += [(layer, "gate_up_w", layer.gate_up_w, layer.gate_up_b),
+                            (layer, "down_w", layer.down_w, layer.down_b)]
+        return linears
 
     def _linear_shapes(self) -> list[tuple[int, int, bool]]:
         """(out, in, has bias) of every weight that goes through `self.linear`."""
-        return [(w.shape[0], w.shape[1], b is not None) for w, b in self._linear_weights()]
+        return [(w.shape[0], w.shape[1], b is not None) for _, _, w, b in self._linears()]
 
     def _relayout_slots(self, shapes: set[tuple[int, int]]) -> list[tuple[object, str, torch.Tensor]]:
         """Where the weights of these shapes are read from: (holder, attribute, live weight). Not a weight tied
         to the embedding, whose lookups read it row by row."""
-        slots: list[tuple[object, str, torch.Tensor]] = [(self, "_head_w", self._head_w)]
-        for layer in self.layers:
-            slots += [(layer, "qkv_w", layer.qkv_w), (layer, "o_w", layer.o_w)]
-            if layer.gate_up_w is not None:
-                slots += [(layer, "gate_up_w", layer.gate_up_w), (layer, "down_w", layer.down_w)]
-        return [(holder, attr, w) for holder, attr, w in slots
+        return [(holder, attr, w) for holder, attr, w, _ in self._linears()
                 if (w.shape[0], w.shape[1]) in shapes and w is not self._embed_w]
 
     # --- weights stored transposed -------------------------------------------------------------------------
@@ -383,7 +380,7 @@ class SlotRunner:
     # update lands in them with no copy (spare_weights.py). Where multiplying by a weight is faster with it
     # stored transposed (`LinearKernels.transposed`), the runner multiplies by a transposed copy instead. A
     # weight switch makes the copies stale: the engine then goes back to the live weights (`live_weights`, the
-    # same numbers, a slower kernel), builds new copies off the decoding thread (`transposed_weights`) and
+    # same numbers, a slower kernel), builds new copies off the decoding thread (`transposed_copies`) and
     # hands them over between two steps (`use_weights`), unless another switch came first.
 
     def transposed_copies(self) -> Iterator[torch.Tensor]:
