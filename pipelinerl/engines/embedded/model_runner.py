@@ -449,7 +449,7 @@ class SlotRunner:
             self._keys_t_heads.append(self.keys[-1].transpose(2, 3).reshape(slots * kv, d, length))  # a view
             self._v_heads.append(self.values[-1].view(slots * kv, length, d))
         # Offset in `_kv_flat` of (slot, k/v, kv head, dim j) at position 0, [slots, 2, kv, d], and how far one
-        # position moves each of k and v, [1, 2, 1, 1]: a step's write offsets are one addcmul for all layers.
+        # position moves each of k and v, [1, 2, 1, 1]: a step's write offsets are two ops for all layers.
         ks, vs = self.keys[0].stride(), self.values[0].stride()
         index = [torch.arange(size, device=self.device) for size in (slots, kv, d)]
         def offsets(stride: tuple[int, ...], start: int) -> torch.Tensor:
@@ -570,7 +570,7 @@ class SlotRunner:
         cos, sin = self._decode_rope(positions, b)
         mask = None if lo == hi else self._decode_mask(positions, upto)  # equal lengths: nothing to hide
         # where each sequence's new k and v go in every layer's `_kv_flat`, [b * 2 * kv * d]
-        write_at = torch.addcmul(self._write_base[:b], positions[:, None, None, None], self._write_step).view(-1)
+        write_at = (self._write_base[:b] + positions[:, None, None, None] * self._write_step).view(-1)
         for li, layer in enumerate(self.layers):
             qkv = self.linear(self._norm(layer.input_norm, h), layer.qkv_w, layer.qkv_b).view(b, -1, d)
             if layer.q_norm is not None:
