@@ -181,13 +181,13 @@ class EmbeddedEngine:
         self._relayout_cv = threading.Condition()
         self._relayout_wanted: int | None = None
         self._relayout_ready: list[tuple[int, int, torch.Tensor]] = []  # (version, slot, copy)
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._thread.start()
         self._relayout_thread = None
         if getattr(self.runner, "relayout_slots", None):
             self._relayout_thread = threading.Thread(target=self._relayout_loop, name="engine-relayout",
                                                      daemon=True)
             self._relayout_thread.start()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
 
     # --- contract ------------------------------------------------------------------------------------------
 

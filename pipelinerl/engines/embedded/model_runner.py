@@ -440,11 +440,9 @@ class SlotRunner:
         self._kv_flat = [torch.zeros(2 * n, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.keys, self.values, self._keys_t_heads, self._v_heads = [], [], [], []
         for flat in self._kv_flat:
-            if keys_transposed:
-                keys_t = flat[:n].view(slots, kv, d, length)
-                self.keys.append(keys_t.transpose(2, 3))
-            else:
-                self.keys.append(flat[:n].view(slots, kv, length, d))
+            keys = flat[:n].view(slots, kv, d, length).transpose(2, 3) if keys_transposed \
+                else flat[:n].view(slots, kv, length, d)
+            self.keys.append(keys)
             self.values.append(flat[n:].view(slots, kv, length, d))
             self._keys_t_heads.append(self.keys[-1].transpose(2, 3).reshape(slots * kv, d, length))  # a view
             self._v_heads.append(self.values[-1].view(slots * kv, length, d))
