@@ -1,6 +1,7 @@
 """The embedded engine as a real server process on loopback, with this test process as the trainer (rank 0 of
 a real gloo weight-update group)."""
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,12 +12,33 @@ import torch
 from conftest import running_engine, wait_until
 from transformers import AutoModelForCausalLM
 
-from pipelinerl.engines.client import EngineError, init_group_on_engines, push_weights
-from pipelinerl.engines.embedded.engine import tensor_checksums
+from pipelinerl.contracts.inference import (
+    GenerateRequest,
+    InitWeightUpdateGroupRequest,
+    SamplingParams,
+    UpdateWeightsRequest,
+)
+from pipelinerl.engines.client import EngineError, init_group_on_engines, param_specs, push_weights
+from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings, tensor_checksums
 from pipelinerl.procs import free_port
-from pipelinerl.weight_sync import init_weight_update_group
+from pipelinerl.weight_sync import broadcast_tensors, init_weight_update_group
 
 PROMPT = [5, 6, 67, 7, 8, 71]
+
+
+def greedy_tokens(model, state, prompt, steps):
+    """`steps` greedy tokens after `prompt` from transformers' `model` loaded with `state`."""
+    with torch.no_grad():
+        model.load_state_dict(state, strict=False)
+        out = model(torch.tensor([list(prompt)]), use_cache=True)
+        cache, logits = out.past_key_values, out.logits[0, -1]
+        tokens = []
+        for _ in range(steps):
+            t = int(logits.argmax())
+            tokens.append(t)
+            out = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[0, -1]
+        return tokens
 
 
 class Trainer:
@@ -37,30 +59,20 @@ class Trainer:
     def named(self, state):
         return [(n, state[n]) for n, _ in self.model.named_parameters()]
 
-    def push(self, state, bucket_bytes=0):
+    def push(self, state, bucket_bytes=0, only=None):
+        """Send `state` as the next version; `only` (names): a partial update of just those parameters."""
         self.version += 1
-        return push_weights(self.group, [self.client], self.named(state), self.version, bucket_bytes)[0]
+        named = [(n, t) for n, t in self.named(state) if only is None or n in only]
+        return push_weights(self.group, [self.client], named, self.version, bucket_bytes)[0]
 
     def perturbed(self, seed, scale=0.5):
         g = torch.Generator().manual_seed(seed)
         return {k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.dim() > 1 else v.clone()
                 for k, v in self.base.items()}
 
-    def greedy_reference(self, state, prompt, steps, cache_from=None):
-        """Greedy tokens under `state`; with `cache_from=(old_state, n_old)`, the KV cache of the prompt and
-        the first n_old tokens comes from old_state (what an in-flight switch does)."""
-        with torch.no_grad():
-            self.model.load_state_dict(state, strict=False)
-            ids = list(prompt)
-            out = self.model(torch.tensor([ids]), use_cache=True)
-            cache, logits = out.past_key_values, out.logits[0, -1]
-            tokens = []
-            for _ in range(steps):
-                t = int(logits.argmax())
-                tokens.append(t)
-                out = self.model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
-                cache, logits = out.past_key_values, out.logits[0, -1]
-            return tokens
+    def greedy_reference(self, state, prompt, steps):
+        """Greedy tokens under `state`."""
+        return greedy_tokens(self.model, state, prompt, steps)
 
     def continue_after_switch(self, old_state, new_state, prompt, old_tokens, steps):
         """Tokens after a switch: the cache holds prompt + old_tokens[:-1] under old weights; the new weights
@@ -333,11 +345,6 @@ def test_info_and_metrics(engine):
 def test_burst_of_requests_is_admitted_as_one_prefill(tiny_model_dir):
     """Requests submitted together (one asyncio.gather) reach the engine thread together: one admission, one
     batched prefill, every sequence in step."""
-    import asyncio
-
-    from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
-    from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
-
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     engine = EmbeddedEngine(model, str(tiny_model_dir), EngineSettings(max_running_seqs=16, max_model_len=64))
     params = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
@@ -362,22 +369,111 @@ def test_burst_of_requests_is_admitted_as_one_prefill(tiny_model_dir):
 @pytest.mark.parametrize("transposed", ["all", "none"])
 def test_transposed_weight_copies_follow_every_update(tiny_model_dir, tmp_path, transposed):
     """With `--transposed-weights all` the engine multiplies by transposed copies of every weight (what it does
-    on CPU wherever that was timed faster): after each update it goes back to the live weights, builds new
-    copies off the decoding thread and takes them into use. Greedy output follows the pushed weights either
-    way; with `none` nothing is copied."""
+    on CPU wherever that was timed faster). With sequences decoding, an update's copies are built from the
+    received weights before the switch, so they are in use when the update call returns; with none, the switch
+    does not wait for them: they are built after it and taken into use once ready. Greedy output follows the
+    pushed weights either way; with `none` nothing is copied."""
+    copying = transposed == "all"
     with running_engine(tiny_model_dir, tmp_path, extra=["--transposed-weights", transposed]) as client:
         trainer = Trainer(client, tiny_model_dir)
+
+        def relayouts():
+            return client.metrics()["pipelinerl_weight_relayouts_total"]
+
         try:
-            for seed, expected_relayouts in ((5, 1), (6, 2)):
+            for updates, seed in enumerate((5, 6), start=1):  # idle: copies after the switch
                 state = trainer.perturbed(seed=seed)
                 trainer.push(state)
-                if transposed == "all":
-                    wait_until(lambda n=expected_relayouts: client.metrics()["pipelinerl_weight_relayouts_total"] >= n,
-                               f"relayout {expected_relayouts} taken into use")
+                if copying:
+                    wait_until(lambda n=updates: relayouts() == n, f"copies of update {updates} taken into use")
                 out = client.generate(PROMPT, temperature=0, max_new_tokens=24, ignore_eos=True).completions[0]
                 assert out.token_ids == trainer.greedy_reference(state, PROMPT, 24)
+            assert client.metrics()["pipelinerl_weight_relayout_wait_seconds_total"] == 0
+
+            # decoding: copies before the switch, the generation going on from its KV cache under them
+            old, state, steps = state, trainer.perturbed(seed=7), 1000
+            for _ in range(5):  # whether the push lands inside the generation is up to timing
+                before = relayouts()
+                trainer.push(old)
+                old_version = trainer.version
+                if copying:
+                    wait_until(lambda n=before + 1: relayouts() == n, "copies taken into use")
+                with ThreadPoolExecutor(1) as pool:
+                    running = pool.submit(client.generate, PROMPT, temperature=0, max_new_tokens=steps,
+                                          ignore_eos=True)
+                    wait_until(lambda: client.metrics()["pipelinerl_running_seqs"] > 0, "a sequence running",
+                               poll_s=0.01)
+                    trainer.push(state)
+                    assert relayouts() == (before + 2 if copying else 0)  # in use as the update returns
+                    out = running.result(timeout=60).completions[0]
+                steps = len(out.token_ids)  # as many as the engine's context leaves room for
+                switch = out.versions.index(trainer.version) if trainer.version in out.versions else steps
+                if 0 < switch < steps - 10:
+                    break
+            else:
+                pytest.fail("in 5 tries, the update never landed in the middle of the generation")
+            assert out.versions == [old_version] * switch + [trainer.version] * (steps - switch)
+            assert out.token_ids[:switch] == trainer.greedy_reference(old, PROMPT, switch)
+            assert out.token_ids[switch:] == trainer.continue_after_switch(old, state, PROMPT, out.token_ids[:switch],
+                                                                          steps - switch)
+            assert (client.metrics()["pipelinerl_weight_relayout_wait_seconds_total"] > 0) == copying
+
+            # A partial update of rows of the fused q/k/v weights: changed in place at the switch, their copies
+            # are rebuilt there
+            only = {n for n in state if "q_proj.weight" in n}
+            state = {**state, **{n: t for n, t in trainer.perturbed(seed=8).items() if n in only}}
+            trainer.push(state, only=only)
+            out = client.generate(PROMPT, temperature=0, max_new_tokens=24, ignore_eos=True).completions[0]
+            assert out.token_ids == trainer.greedy_reference(state, PROMPT, 24)
             m = client.metrics()
-            assert m["pipelinerl_weight_relayouts_total"] == (2 if transposed == "all" else 0)
             assert (m["pipelinerl_weight_relayout_seconds_total"] > 0) == (transposed == "all")
         finally:
             trainer.group.destroy()
+
+
+def test_idle_switch_uses_live_weights_until_copies_are_built(tiny_model_dir):
+    """In process, with the building of transposed copies held back: an update that arrives while nothing is
+    decoding switches at once; until its copies are ready the engine multiplies by the live weights (the old
+    copies would give the old model's tokens), then takes the copies into use."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    engine = EmbeddedEngine(model, str(tiny_model_dir),
+                            EngineSettings(max_running_seqs=4, max_model_len=64, transposed_weights="all"))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    new = {n: p.detach() + 0.5 * p.detach().std() * torch.randn(p.shape, generator=g) if p.dim() > 1
+           else p.detach().clone() for n, p in reference.named_parameters()}
+    release = threading.Event()
+    build = engine.runner.build_copies
+    engine.runner.build_copies = lambda sources: release.wait(30) and build(sources)
+    loop = asyncio.new_event_loop()
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+    def generate() -> list[int]:
+        request = GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy)
+        return loop.run_until_complete(engine.generate(request)).completions[0].token_ids
+
+    try:
+        port = free_port()
+        with ThreadPoolExecutor(1) as pool:  # the engine joins the group as rank 1 while this thread is rank 0
+            joined = pool.submit(loop.run_until_complete, engine.init_weight_update_group(
+                InitWeightUpdateGroupRequest(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                             world_size=2, backend="gloo", timeout_s=30)))
+            group = init_weight_update_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30)
+            joined.result()
+            old_tokens = generate()
+            named = list(new.items())
+            update = pool.submit(loop.run_until_complete, engine.update_weights(
+                UpdateWeightsRequest(version=1, params=param_specs(named))))
+            broadcast_tensors(group, [t for _, t in named])
+            assert update.result(timeout=30).version == 1
+        expected = greedy_tokens(reference, new, PROMPT, 12)
+        assert expected != old_tokens and engine.metrics.relayouts == 0
+        assert generate() == expected  # the copies are held back: the live weights
+        release.set()
+        wait_until(lambda: engine.metrics.relayouts == 1, "copies taken into use")
+        assert not engine.runner.layers[0].qkv_w.is_contiguous()  # a transposed copy
+        assert generate() == expected
+    finally:
+        release.set()
+        engine.shutdown()
+        loop.close()

@@ -113,8 +113,9 @@ def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel, attention
         logits = runner.decode(tokens, positions)
 
 
-def test_transposed_copies_go_stale_on_a_switch_and_are_rebuilt(tiny_model_dir):
-    """What the engine does around a weight switch: back to the live weights at once, then new copies."""
+def test_transposed_copies_of_new_weights_are_built_before_the_switch_into_retired_memory(tiny_model_dir):
+    """What the engine does around an update: copies built from the received weights while the old copies are
+    in use, taken into use at the switch; the next update's copies go into the memory the switch retired."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     runner = SlotRunner(model, num_slots=2, max_len=16,
@@ -128,16 +129,22 @@ def test_transposed_copies_go_stale_on_a_switch_and_are_rebuilt(tiny_model_dir):
         return torch.allclose(runner.prefill_batch([0], [prompt])[0], expected, atol=1e-4, rtol=1e-4)
 
     assert logits_equal_reference()
-    with torch.no_grad():  # a switch: new values in the live weights (here in place, as a partial update does)
-        for m in (model, reference):
-            for name, p in m.named_parameters():
+    retired: dict[int, int] = {}
+    for scale in (1.5, 0.75):  # the weights become 1.5x and 0.75x those the runner's live weights still hold
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
                 if "proj" in name:
-                    p.mul_(1.5)
-    assert not logits_equal_reference()  # the copies still hold the old weights
-    runner.live_weights()
-    assert logits_equal_reference() and runner.layers[0].qkv_w.is_contiguous()
-    runner.use_weights(runner.transposed_weights())
-    assert logits_equal_reference() and not runner.layers[0].qkv_w.is_contiguous()
+                    p.copy_(dict(model.named_parameters())[name] * scale)
+            incoming = {slot: live.detach() * scale for slot, (_, _, live) in enumerate(runner.relayout_slots)}
+        copies = runner.build_copies(incoming)
+        assert not logits_equal_reference()  # built, not yet in use: still the old weights
+        if retired:  # the second update writes into the first update's retired copies: no allocation
+            assert {slot: c.data_ptr() for slot, c in copies.items()} == retired
+        in_use = {slot: getattr(holder, attr).data_ptr()
+                  for slot, (holder, attr, _) in enumerate(runner.relayout_slots)}
+        runner.use_copies(copies)
+        retired = in_use
+        assert logits_equal_reference() and not runner.layers[0].qkv_w.is_contiguous()
 
 
 @pytest.mark.parametrize("mkl", [True, False], ids=["mkl", "torch"])

@@ -69,9 +69,23 @@ def test_updates_in_a_row_are_bit_exact_and_live_weights_untouched_until_the_swi
             new = {n: new[n] for n in names}
         plan, received = receive(spare, new, bucket_bytes)
         assert_live(params, runner, expected)  # decoding goes on with the old weights meanwhile
+        incoming = spare.incoming(received)
         spare.switch(received)
         expected.update(new)
         assert_live(params, runner, expected)
+        # `incoming` told, before the switch, what each changed weight would become: the received tensor itself
+        # (same memory), or None where only some rows of a fused buffer were updated (copied in place)
+        live = {id(t): t for t in [*params.values(), *(buffer for buffer, _ in runner.fused_groups)]}
+        partial = {id(buffer) for buffer, members in runner.fused_groups
+                   if names is not None and any(p is params[n] for p, _, _ in members for n in names)}
+        fused = {id(p) for _, members in runner.fused_groups for p, _, _ in members}
+        whole_model = len({id(p) for p in params.values()} - fused) + len(runner.fused_groups)
+        assert len(incoming) == (whole_model if names is None else 3)
+        assert sorted(i for _, pieces in incoming.values() for i in pieces) == list(range(len(received)))
+        for key, (tensor, _) in incoming.items():
+            assert (tensor is None) == (key in partial)
+            if tensor is not None:
+                assert tensor.data_ptr() == live[key].data_ptr() and torch.equal(tensor, live[key])
 
 
 def test_bucketed_update_lands_in_place_and_arenas_take_turns(engine_side):

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -120,6 +121,67 @@ class _PendingSwitch:
     names: list[str]  # the parameters received into the spare storage
     done: threading.Event = field(default_factory=threading.Event)
     switch_s: float = 0.0
+    # Transposed copies of the received weights by the runner's relayout slot, built before the switch; the
+    # slots whose weights the switch changes in place (a partial update), whose copies it rebuilds; the slots
+    # whose copies are built after the switch (the engine was idle: see _receive_and_switch).
+    copies: dict[int, torch.Tensor] = field(default_factory=dict)
+    stale_copies: list[int] = field(default_factory=list)
+    copies_after: list[int] = field(default_factory=list)
+
+
+class _Copies:
+    """Transposed copies of one update's received weights for the runner's relayout slots (model_runner.py:
+    where it multiplies by such copies), built before the switch while decoding goes on with the old weights
+    and copies. Built after the switch instead, decoding would run on stale copies (wrong) or on the live
+    weights (slower) until they were ready. Each weight is copied on the relayout thread as soon as its last
+    piece has arrived, overlapping the rest of the transfer; `wait` returns them all. `slots`: every slot the
+    update changes; of them, `stale` are changed in place at the switch (a partial update of a fused buffer),
+    so their copies can only be built after it."""
+
+    def __init__(self, runner, copier: ThreadPoolExecutor, incoming: dict[int, tuple[torch.Tensor | None, list[int]]],
+                 eager: bool):
+        self._runner, self._copier, self.eager = runner, copier, eager
+        self.slots: list[int] = []
+        self.stale: list[int] = []
+        self._source: dict[int, torch.Tensor] = {}  # slot -> the received tensor it will hold
+        self._missing: dict[int, set[int]] = {}  # slot -> indices of its pieces not yet received
+        self._slots_of: dict[int, list[int]] = {}  # piece index -> slots
+        for slot, (_, _, live) in enumerate(runner.relayout_slots):
+            source, pieces = incoming.get(id(live), (None, []))
+            if not pieces:
+                continue  # not in this update: the slot keeps its copy
+            self.slots.append(slot)
+            if source is None:
+                self.stale.append(slot)
+                continue
+            self._source[slot], self._missing[slot] = source, set(pieces)
+            for i in pieces:
+                self._slots_of.setdefault(i, []).append(slot)
+        self._futures: list[Future] = []
+        self.seconds = 0.0
+
+    def received(self, indices: list[int]) -> None:
+        """Pieces `indices` of the update have arrived: copy the weights now complete (if eager)."""
+        if not self.eager:
+            return
+        for i in indices:
+            for slot in self._slots_of.get(i, ()):
+                missing = self._missing[slot]
+                missing.discard(i)
+                if not missing:
+                    self._futures.append(self._copier.submit(self._build, slot))
+
+    def _build(self, slot: int) -> dict[int, torch.Tensor]:
+        t0 = time.perf_counter()
+        copy = self._runner.build_copies({slot: self._source[slot]})
+        self.seconds += time.perf_counter() - t0  # one builder thread: no race
+        return copy
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        copies: dict[int, torch.Tensor] = {}
+        for future in self._futures:
+            copies.update(future.result())
+        return copies
 
 
 class Metrics:
@@ -138,8 +200,9 @@ class Metrics:
         self.last_update_bytes = 0
         self.last_update_receive_seconds = 0.0
         self.last_update_switch_seconds = 0.0
-        self.relayouts = 0  # transposed copies of the weights built after a switch and taken into use
+        self.relayouts = 0  # updates whose weights were copied transposed before the switch
         self.relayout_seconds = 0.0
+        self.relayout_wait_seconds = 0.0  # of which after the receive: what the copies add to an update
         self.started = time.monotonic()
 
 
@@ -176,16 +239,13 @@ class EmbeddedEngine:
         self._abort_flag = False
         self._stopped = False
         self._batch: _DecodeBatch | None = None
-        # Transposed copies of the weights, rebuilt after every switch (see SlotRunner.transposed_copies):
-        # the version to build them for, and the copies built, waiting to be taken into use by the engine thread.
-        self._relayout_cv = threading.Condition()
-        self._relayout_wanted: int | None = None
-        self._relayout_ready: list[tuple[int, int, torch.Tensor]] = []  # (version, slot, copy)
-        self._relayout_thread = None
+        # Where the runner multiplies by transposed copies of weights (CPU), each update's copies are built on
+        # this thread, on the receiving CPUs, as the weights arrive (see _Copies)
+        self._copier = None
+        # copies being built after a switch (when idle: see _receive_and_switch): (version, slots, their future)
+        self._copies_after: tuple[int, list[int], Future] | None = None
         if getattr(self.runner, "relayout_slots", None):
-            self._relayout_thread = threading.Thread(target=self._relayout_loop, name="engine-relayout",
-                                                     daemon=True)
-            self._relayout_thread.start()
+            self._copier = ThreadPoolExecutor(1, "engine-relayout", initializer=self._cpus.pin_transfer)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -350,9 +410,11 @@ class EmbeddedEngine:
             ("last_weight_update_switch_seconds", "gauge", m.last_update_switch_seconds,
              "decode pause for the last update"),
             ("weight_relayouts_total", "counter", m.relayouts,
-             "updates whose weights were copied transposed (for faster matmuls) and taken into use"),
+             "updates whose weights were copied transposed (for faster matmuls) before the switch"),
             ("weight_relayout_seconds_total", "counter", m.relayout_seconds,
-             "time spent copying updated weights transposed, off the decoding thread"),
+             "time spent copying received weights transposed, on the receiving CPUs, as they arrive"),
+            ("weight_relayout_wait_seconds_total", "counter", m.relayout_wait_seconds,
+             "time updates waited for their transposed copies after the receive (added to their latency)"),
         ]
         return render_metrics(rows)
 
@@ -360,11 +422,9 @@ class EmbeddedEngine:
         with self._cv:
             self._stopped = True
             self._cv.notify()
-        with self._relayout_cv:
-            self._relayout_cv.notify()
         self._thread.join(timeout=10)
-        if self._relayout_thread is not None:
-            self._relayout_thread.join(timeout=10)
+        if self._copier is not None:
+            self._copier.shutdown(wait=True, cancel_futures=True)
         if self._group is not None:
             self._group.destroy()
 
@@ -415,14 +475,37 @@ class EmbeddedEngine:
 
     def _receive_and_switch(self, group: WeightUpdateGroup, specs: list[TensorSpec], bucket_bytes: int,
                             pending: _PendingSwitch) -> float:
-        """On a worker thread: receive a checked update into the spare weights while decoding goes on, then
-        have the engine thread switch at its next step boundary (or switch here if it is idle), and wait for
-        that here (not in another thread hop: every hop is latency the trainer waits through). Returns when
-        the receive ended."""
+        """On a worker thread: receive a checked update into the spare weights while decoding goes on, build
+        the runner's transposed copies of them, then have the engine thread switch at its next step boundary
+        (or switch here if it is idle), and wait for that here (not in another thread hop: every hop is
+        latency the trainer waits through). Returns when the receive ended."""
         self._cpus.pin_transfer()  # a pool thread: pinned again each time, it costs one system call
         plan = self._spare.staging(specs, bucket_bytes, group.device)
-        receive_tensors(group, specs, bucket_bytes, plan.targets, on_bucket=plan.after_bucket)
+        copies = None
+        if self._copier is not None:
+            # Copies before the switch only where it matters: with sequences decoding. With none, the switch
+            # should not wait (the trainer waits for it), nor the transfer share the CPUs with copying.
+            with self._cv:
+                busy = bool(self._running or self._waiting or self._incoming)
+            copies = _Copies(self.runner, self._copier, self._spare.incoming(pending.names), eager=busy)
+
+        def after_bucket(indices: list[int]) -> None:
+            plan.after_bucket(indices)
+            if copies is not None:
+                copies.received(indices)
+
+        receive_tensors(group, specs, bucket_bytes, plan.targets, on_bucket=after_bucket)
         received = time.perf_counter()
+        if copies is not None and copies.slots:
+            pending.copies = copies.wait()
+            pending.stale_copies = copies.stale
+            pending.copies_after = [slot for slot in copies.slots if slot not in pending.copies
+                                    and slot not in copies.stale]
+            m = self.metrics
+            m.relayouts += not pending.copies_after
+            m.relayout_seconds += copies.seconds
+            if copies.eager:
+                m.relayout_wait_seconds += time.perf_counter() - received
         with self._cv:
             self._pending = pending
             if self._parked:
@@ -443,7 +526,7 @@ class EmbeddedEngine:
         while True:
             with self._cv:
                 while not (self._running or self._waiting or self._pending or self._abort_flag or self._stopped
-                           or self._relayout_ready):
+                           or self._copies_after is not None and self._copies_after[2].done()):
                     self._parked = True  # see _receive_and_switch
                     self._cv.wait()
                 self._parked = False
@@ -451,7 +534,7 @@ class EmbeddedEngine:
                     return
             try:
                 self._switch_weights()
-                self._take_relayout()
+                self._take_copies_after()
                 self._handle_aborts()
                 self._admit()
                 if self._running:
@@ -465,13 +548,22 @@ class EmbeddedEngine:
         if pending is None:
             return
         t0 = time.perf_counter()
+        if self._copies_after is not None:  # copies still being built after an earlier switch
+            _, slots, future = self._copies_after
+            self._copies_after = None
+            if not set(slots) <= {*pending.copies, *pending.stale_copies, *pending.copies_after}:
+                self.runner.use_copies(future.result())  # some stay current after this switch: wait for them
         self._spare.switch(pending.names)
         self.version = pending.version
-        if self._relayout_thread is not None:  # the transposed copies are stale now
-            self.runner.live_weights()
-            with self._relayout_cv:
-                self._relayout_wanted = self.version
-                self._relayout_cv.notify()
+        if pending.copies:
+            self.runner.use_copies(pending.copies)
+        if pending.stale_copies:  # only a partial update of a fused weight: rebuilt here, in the decode pause
+            self.runner.use_copies(self.runner.build_copies(self._live(pending.stale_copies)))
+        if pending.copies_after:  # the live weights until their copies are built (and still current)
+            self.runner.use_copies(self._live(pending.copies_after))
+            future = self._copier.submit(self._build_copies_after, self._live(pending.copies_after))
+            self._copies_after = (self.version, pending.copies_after, future)
+            future.add_done_callback(self._notify_engine)  # to take them into use even while idle
         pending.switch_s = time.perf_counter() - t0
         self.metrics.update_switch_seconds += pending.switch_s
         if self._running:
@@ -480,38 +572,27 @@ class EmbeddedEngine:
             self._pending = None
         pending.done.set()
 
-    def _take_relayout(self) -> None:
-        """Multiply by the transposed copies built so far for the current weights; copies built for weights
-        switched out since are dropped."""
-        with self._cv:
-            ready, self._relayout_ready = self._relayout_ready, []
-        last = len(self.runner.relayout_slots) - 1
-        for version, slot, copy in ready:
-            if version == self.version:
-                self.runner.use_weights([copy], first=slot)
-                if slot == last:
-                    self.metrics.relayouts += 1
+    def _live(self, slots: list[int]) -> dict[int, torch.Tensor]:
+        return {slot: self.runner.relayout_slots[slot][2] for slot in slots}
 
-    def _relayout_loop(self) -> None:
-        """Off the decoding thread (on the CPUs that receive updates): after each switch, transposed copies of
-        the new weights, handed over one by one as they are made (the engine thread multiplies by the live
-        weights meanwhile). A newer switch makes them stale: building stops, and starts again for it."""
-        self._cpus.pin_transfer()
-        while True:
-            with self._relayout_cv:
-                while self._relayout_wanted is None and not self._stopped:
-                    self._relayout_cv.wait()
-                if self._stopped:
-                    return
-                version, self._relayout_wanted = self._relayout_wanted, None
-            t0 = time.perf_counter()
-            for slot, copy in enumerate(self.runner.transposed_copies()):
-                with self._cv:
-                    if self.version != version or self._stopped:
-                        break
-                    self._relayout_ready.append((version, slot, copy))
-                    self._cv.notify()
-            self.metrics.relayout_seconds += time.perf_counter() - t0
+    def _build_copies_after(self, live: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        t0 = time.perf_counter()
+        copies = self.runner.build_copies(live)
+        self.metrics.relayout_seconds += time.perf_counter() - t0
+        return copies
+
+    def _notify_engine(self, _: object = None) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def _take_copies_after(self) -> None:
+        """Copies built after a switch, taken into use once ready, unless a newer switch came first."""
+        if self._copies_after is None or not self._copies_after[2].done():
+            return
+        (version, _, future), self._copies_after = self._copies_after, None
+        if version == self.version and future.exception() is None:
+            self.runner.use_copies(future.result())
+            self.metrics.relayouts += 1
 
     def _handle_aborts(self) -> None:
         with self._cv:

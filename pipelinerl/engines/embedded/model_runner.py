@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -321,6 +321,7 @@ class SlotRunner:
         self.linear: LinearKernels | Callable = F.linear
         # (holder, attribute, live weight) of every weight the runner multiplies with a transposed copy
         self.relayout_slots: list[tuple[object, str, torch.Tensor]] = []
+        self._retired: dict[int, torch.Tensor] = {}  # copies `use_copies` replaced, by slot: the next ones' memory
         if kernels is not None:
             if transposed != "auto":
                 kernels.transposed = set(kernels.use_onednn) if transposed == "all" else set()
@@ -378,29 +379,37 @@ class SlotRunner:
     # --- weights stored transposed -------------------------------------------------------------------------
     # The model's parameters (and the fused buffers they are views of) stay as the wire lays them, so that an
     # update lands in them with no copy (spare_weights.py). Where multiplying by a weight is faster with it
-    # stored transposed (`LinearKernels.transposed`), the runner multiplies by a transposed copy instead. A
-    # weight switch makes the copies stale: the engine then goes back to the live weights (`live_weights`, the
-    # same numbers, a slower kernel), builds new copies off the decoding thread (`transposed_copies`) and
-    # hands them over between two steps (`use_weights`), unless another switch came first.
-
-    def transposed_copies(self) -> Iterator[torch.Tensor]:
-        """Transposed copies of the current live weights in `relayout_slots`, one by one (reads only: safe
-        while decoding)."""
-        for _, _, live in self.relayout_slots:
-            yield transposed_copy(live)
+    # stored transposed (`LinearKernels.transposed`), the runner multiplies by a transposed copy instead. The
+    # engine builds the copies of an update's weights from the received tensors before it switches to them
+    # (`build_copies`), and takes them into use at the switch (`use_copies`): decoding never multiplies by a
+    # stale copy, nor falls back to the slower live weights while new copies are made.
 
     def transposed_weights(self) -> list[torch.Tensor]:
-        return list(self.transposed_copies())
+        """Transposed copies of the live weights of every relayout slot (freshly allocated)."""
+        return [transposed_copy(live) for _, _, live in self.relayout_slots]
 
-    def use_weights(self, weights: Sequence[torch.Tensor], first: int = 0) -> None:
-        """Multiply by these from the next step on, for relayout slots `first`, `first` + 1, ...
-        Between steps only."""
-        for (holder, attr, _), w in zip(self.relayout_slots[first:], weights):
+    def use_weights(self, weights: Sequence[torch.Tensor]) -> None:
+        """Multiply by these, one per relayout slot, from the next step on (what it replaces is not kept for
+        `build_copies`: it may be a live weight). Between steps only."""
+        for (holder, attr, _), w in zip(self.relayout_slots, weights):
             setattr(holder, attr, w)
+        self._retired.clear()
 
-    def live_weights(self) -> None:
-        """Multiply by the live weights themselves: call right after a switch. Between steps only."""
-        self.use_weights([live for _, _, live in self.relayout_slots])
+    def build_copies(self, sources: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Transposed copies of `sources` (relayout slot -> the weight that slot will hold), written into the
+        copies that the last `use_copies` retired, so steady updates allocate nothing. Reads only `sources` and
+        retired copies: safe while decoding, but not concurrently with `use_copies`."""
+        return {slot: transposed_copy(src, out=self._retired.pop(slot, None)) for slot, src in sources.items()}
+
+    def use_copies(self, copies: dict[int, torch.Tensor]) -> None:
+        """Multiply by these (relayout slot -> transposed copy, or the slot's live weight itself) from the next
+        step on; the copies they replace are kept for `build_copies` to write the next ones into. Between
+        steps only."""
+        for slot, copy in copies.items():
+            holder, attr, live = self.relayout_slots[slot]
+            if getattr(holder, attr) is not live:  # a copy, not the live weight itself (`use_copies(live)`)
+                self._retired[slot] = getattr(holder, attr)
+            setattr(holder, attr, copy)
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position, [max_len, head_dim], from the model's rotary module (the same

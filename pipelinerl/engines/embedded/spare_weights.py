@@ -212,6 +212,18 @@ class SpareWeights:
                 for member in members:
                     storage.copy_member(member)
 
+    def incoming(self, names: list[str]) -> dict[int, tuple[torch.Tensor | None, list[int]]]:
+        """What `switch(names)` will do to each weight it changes, keyed by id() of the live tensor (a
+        parameter, or a fused buffer): (the received tensor it will make live, the same memory and values,
+        or None where it copies some rows into the live tensor instead; the indices in `names` of its
+        pieces). Valid once a `staging` for these names was made; the tensor holds the new values once its
+        pieces are received. Lets the runner prepare for the new weights while decoding goes on with the old."""
+        pieces: dict[int, list[int]] = {}
+        for i, name in enumerate(names):
+            pieces.setdefault(id(self._where[name][0]), []).append(i)
+        return {id(storage.live): (storage.spare if whole else None, pieces[id(storage)])
+                for storage, whole, _ in self._switch_plan(names)}
+
     def _switch_plan(self, names: list[str]) -> list[tuple[_Storage, bool, set[int]]]:
         """(storage, whether `names` cover it whole, the members they cover) per storage they touch: a
         storage covered whole is swapped, the others copied member by member. Kept for the last list of

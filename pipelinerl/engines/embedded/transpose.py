@@ -1,8 +1,8 @@
 """Copies of weight matrices stored transposed, made fast on CPU.
 
 The embedded engine multiplies by such copies where BLAS is faster with them (model_runner.py) and makes them
-anew after every weight update, off the decoding thread; until they are ready it multiplies by the slower live
-weights, so their speed is decode speed. torch's own copy into a transposed layout runs at 0.6-3 GB/s on the
+anew from every weight update it receives, before switching to it: their speed is added to every update's
+latency. torch's own copy into a transposed layout runs at 0.6-3 GB/s on the
 CPUs measured; MKL's out-of-place transpose (`mkl_?omatcopy`, which torch's CPU builds carry) at 2-20 GB/s on
 the same matrices. Where there is no MKL, a copy in the order of the destination's memory, in panels for large
 matrices, is 1.5-5x faster than torch's default.
@@ -22,9 +22,14 @@ PANEL_MIN_BYTES = 2 << 20
 PANEL_ROWS = 64
 
 
-def transposed_copy(w: torch.Tensor) -> torch.Tensor:
-    """A copy of the matrix w with the same [rows, cols] values and its memory laid out as w.T's."""
-    memory = torch.empty(w.shape[::-1], dtype=w.dtype, device=w.device)
+def transposed_copy(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of the matrix w with the same [rows, cols] values and its memory laid out as w.T's; written into
+    `out` (an earlier such copy of a matrix like w) when given, so that steady updates allocate nothing."""
+    if out is not None and (out.shape, out.dtype, out.device) == (w.shape, w.dtype, w.device) \
+            and out.t().is_contiguous():
+        memory = out.t()
+    else:
+        memory = torch.empty(w.shape[::-1], dtype=w.dtype, device=w.device)
     src = w.detach().contiguous()
     omatcopy = _mkl_omatcopy(src.dtype) if src.device.type == "cpu" else None
     if omatcopy is not None and src.numel():
