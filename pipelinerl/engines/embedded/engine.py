@@ -133,16 +133,18 @@ class _Copies:
     """Transposed copies of one update's received weights for the runner's relayout slots (model_runner.py:
     where it multiplies by such copies), built before the switch while decoding goes on with the old weights
     and copies. Built after the switch instead, decoding would run on stale copies (wrong) or on the live
-    weights (slower) until they were ready. Each weight is copied on the relayout thread as soon as its last
-    piece has arrived, overlapping the rest of the transfer; `wait` returns them all. `slots`: every slot the
+    weights (slower) until they were ready. `received` copies each weight as soon as its last piece has
+    arrived, on the receiving thread while the next pieces are in flight (on the process group's own thread):
+    a thread of its own would contend with decoding for the GIL at every hand-over. `slots`: every slot the
     update changes; of them, `stale` are changed in place at the switch (a partial update of a fused buffer),
-    so their copies can only be built after it."""
+    so their copies can only be built after it. Not `eager`: nothing is built before the switch."""
 
-    def __init__(self, runner, copier: ThreadPoolExecutor, incoming: dict[int, tuple[torch.Tensor | None, list[int]]],
-                 eager: bool):
-        self._runner, self._copier, self.eager = runner, copier, eager
+    def __init__(self, runner, incoming: dict[int, tuple[torch.Tensor | None, list[int]]], eager: bool):
+        self._runner, self.eager = runner, eager
         self.slots: list[int] = []
         self.stale: list[int] = []
+        self.copies: dict[int, torch.Tensor] = {}
+        self.seconds = 0.0
         self._source: dict[int, torch.Tensor] = {}  # slot -> the received tensor it will hold
         self._missing: dict[int, set[int]] = {}  # slot -> indices of its pieces not yet received
         self._slots_of: dict[int, list[int]] = {}  # piece index -> slots
@@ -157,31 +159,22 @@ class _Copies:
             self._source[slot], self._missing[slot] = source, set(pieces)
             for i in pieces:
                 self._slots_of.setdefault(i, []).append(slot)
-        self._futures: list[Future] = []
-        self.seconds = 0.0
 
     def received(self, indices: list[int]) -> None:
         """Pieces `indices` of the update have arrived: copy the weights now complete (if eager)."""
         if not self.eager:
             return
+        complete = {}
         for i in indices:
             for slot in self._slots_of.get(i, ()):
                 missing = self._missing[slot]
                 missing.discard(i)
                 if not missing:
-                    self._futures.append(self._copier.submit(self._build, slot))
-
-    def _build(self, slot: int) -> dict[int, torch.Tensor]:
-        t0 = time.perf_counter()
-        copy = self._runner.build_copies({slot: self._source[slot]})
-        self.seconds += time.perf_counter() - t0  # one builder thread: no race
-        return copy
-
-    def wait(self) -> dict[int, torch.Tensor]:
-        copies: dict[int, torch.Tensor] = {}
-        for future in self._futures:
-            copies.update(future.result())
-        return copies
+                    complete[slot] = self._source[slot]
+        if complete:
+            t0 = time.perf_counter()
+            self.copies.update(self._runner.build_copies(complete))
+            self.seconds += time.perf_counter() - t0
 
 
 class Metrics:
@@ -202,7 +195,6 @@ class Metrics:
         self.last_update_switch_seconds = 0.0
         self.relayouts = 0  # updates whose weights were copied transposed before the switch
         self.relayout_seconds = 0.0
-        self.relayout_wait_seconds = 0.0  # of which after the receive: what the copies add to an update
         self.started = time.monotonic()
 
 
@@ -239,8 +231,8 @@ class EmbeddedEngine:
         self._abort_flag = False
         self._stopped = False
         self._batch: _DecodeBatch | None = None
-        # Where the runner multiplies by transposed copies of weights (CPU), each update's copies are built on
-        # this thread, on the receiving CPUs, as the weights arrive (see _Copies)
+        # Where the runner multiplies by transposed copies of weights (CPU), the copies of an update that arrived
+        # while nothing was decoding are built on this thread after the switch (see _receive_and_switch)
         self._copier = None
         # copies being built after a switch (when idle: see _receive_and_switch): (version, slots, their future)
         self._copies_after: tuple[int, list[int], Future] | None = None
@@ -412,9 +404,7 @@ class EmbeddedEngine:
             ("weight_relayouts_total", "counter", m.relayouts,
              "updates whose weights were copied transposed (for faster matmuls) before the switch"),
             ("weight_relayout_seconds_total", "counter", m.relayout_seconds,
-             "time spent copying received weights transposed, on the receiving CPUs, as they arrive"),
-            ("weight_relayout_wait_seconds_total", "counter", m.relayout_wait_seconds,
-             "time updates waited for their transposed copies after the receive (added to their latency)"),
+             "time spent copying received weights transposed, on the receiving CPUs"),
         ]
         return render_metrics(rows)
 
@@ -487,7 +477,7 @@ class EmbeddedEngine:
             # should not wait (the trainer waits for it), nor the transfer share the CPUs with copying.
             with self._cv:
                 busy = bool(self._running or self._waiting or self._incoming)
-            copies = _Copies(self.runner, self._copier, self._spare.incoming(pending.names), eager=busy)
+            copies = _Copies(self.runner, self._spare.incoming(pending.names), eager=busy)
 
         def after_bucket(indices: list[int]) -> None:
             plan.after_bucket(indices)
@@ -497,15 +487,13 @@ class EmbeddedEngine:
         receive_tensors(group, specs, bucket_bytes, plan.targets, on_bucket=after_bucket)
         received = time.perf_counter()
         if copies is not None and copies.slots:
-            pending.copies = copies.wait()
+            pending.copies = copies.copies
             pending.stale_copies = copies.stale
             pending.copies_after = [slot for slot in copies.slots if slot not in pending.copies
                                     and slot not in copies.stale]
             m = self.metrics
             m.relayouts += not pending.copies_after
             m.relayout_seconds += copies.seconds
-            if copies.eager:
-                m.relayout_wait_seconds += time.perf_counter() - received
         with self._cv:
             self._pending = pending
             if self._parked:
