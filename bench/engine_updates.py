@@ -2,7 +2,8 @@
 
 This process is the trainer: rank 0 of a gloo weight-update group with one embedded engine process
 (`pipelinerl serve`, THREADS torch thread). CONCURRENT client threads keep the engine saturated with long
-sampled requests (EOS ignored, a new request as soon as one returns). Generated tokens per second are read
+sampled requests (EOS ignored, a new request as soon as one returns; lengths spread from MAX_NEW / 2 to
+3 MAX_NEW / 2, so that requests end at different times). Generated tokens per second are read
 from the engine's /metrics (`pipelinerl_generated_tokens_total` over wall time) in alternating windows of
 WINDOW_S seconds: without updates, then with the trainer pushing updates back to back (`push_weights` in a
 loop, two weight sets alternating), and so on, starting and ending with a window without updates. Each window
@@ -35,11 +36,11 @@ from bench.common import machine, median, model_settings, tiny_model, verdict
 NAME = "engine_updates"
 TARGET = 0.95
 HIDDEN, LAYERS = 384, 4
-CONCURRENT, PROMPT_LEN, MAX_NEW = 32, 16, 480
+CONCURRENT, PROMPT_LEN, MAX_NEW = 32, 16, 480  # MAX_NEW: the mean; client i asks for 240 + 15 i tokens
 THREADS = 1
 BUCKET_BYTES = 0  # push_weights' default: one broadcast per tensor, received in place (the lightest on both sides)
 WINDOW_S, QUICK_WINDOW_S = 4.0, 2.0
-ROUNDS, QUICK_ROUNDS = 7, 3  # windows with updates; each sits between two windows without
+ROUNDS, QUICK_ROUNDS = 11, 3  # windows with updates; each sits between two windows without
 # The engine's recommended setup on a CPU machine (`--decode-cpus`, pipelinerl/engines/embedded/cpus.py): its
 # decoding on THREADS cores of its own, weight receiving and this process (the trainer's broadcast, the load)
 # on the rest. Set it False to measure everything sharing every core (about 70% kept on 2 cores).
@@ -127,6 +128,10 @@ class Trainer:
         self.group.destroy()
 
 
+def max_new_tokens(client: int) -> int:
+    return MAX_NEW // 2 + client * MAX_NEW // CONCURRENT
+
+
 class Load:
     """CONCURRENT threads, each posting one long sampled request after another until stopped."""
 
@@ -140,9 +145,12 @@ class Load:
 
     def _loop(self, i: int) -> None:
         prompt = [4 + (i * 7 + j) % 90 for j in range(PROMPT_LEN)]
+        # Lengths spread around MAX_NEW, so that requests end at different times, as in a real workload: all
+        # of one length would end together, and tokens/s would rise and fall with their common position.
+        max_new = max_new_tokens(i)
         while not self.stopping.is_set():
             try:
-                self.client.generate(prompt, temperature=1.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+                self.client.generate(prompt, temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
             except Exception as e:  # reported in the result; the benchmark goes on
                 self.errors.append(f"{type(e).__name__}: {e}"[:200])
                 time.sleep(0.1)
@@ -267,7 +275,8 @@ def _result(model: dict, windows: list[dict], final: dict, trainer: Trainer, err
         "windows": windows,
         "load_errors": errors[:10],
         "settings": {"model": model, "engine_threads": THREADS, "trainer_threads": THREADS,
-                     "concurrent_requests": CONCURRENT, "prompt_len": PROMPT_LEN, "max_new_tokens": MAX_NEW,
+                     "concurrent_requests": CONCURRENT, "prompt_len": PROMPT_LEN,
+                     "max_new_tokens": [max_new_tokens(0), max_new_tokens(CONCURRENT - 1)],
                      "sampling": "temperature 1.0, EOS ignored", "bucket_bytes": BUCKET_BYTES,
                      "transposed_weights": TRANSPOSED_WEIGHTS,
                      "backend": "gloo (loopback)", "window_s": window_s, "windows_with_updates": rounds,
@@ -302,9 +311,10 @@ def _start_engine(path: Path, log_dir: Path, split: tuple[list[int], list[int]] 
 
     port = free_port()
     log = log_dir / f"engine-{port}.log"
+    longest = max_new_tokens(CONCURRENT - 1)
     extra = ["--transposed-weights", TRANSPOSED_WEIGHTS,
-             "--max-running-seqs", str(CONCURRENT), "--max-model-len", str(PROMPT_LEN + MAX_NEW),
-             "--max-batch-tokens", str(CONCURRENT * (PROMPT_LEN + MAX_NEW)), "--threads", str(THREADS)]
+             "--max-running-seqs", str(CONCURRENT), "--max-model-len", str(PROMPT_LEN + longest),
+             "--max-batch-tokens", str(CONCURRENT * (PROMPT_LEN + longest)), "--threads", str(THREADS)]
     if split:
         extra += ["--decode-cpus", ",".join(map(str, split[0]))]
     proc = start_process(engine_command(str(path), port, extra=extra), log, threads=THREADS)

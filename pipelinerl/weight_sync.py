@@ -115,6 +115,7 @@ class WeightUpdateGroup:
     store: dist.Store
     buffers: BucketBuffers = field(default_factory=BucketBuffers, repr=False)
     send_plan: _SendPlan | None = field(default=None, repr=False)  # see broadcast_tensors
+    _broadcast_options: dict[int, dist.BroadcastOptions] = field(default_factory=dict, repr=False)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.broadcast_async(tensor, src).wait()
@@ -122,9 +123,10 @@ class WeightUpdateGroup:
     def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
         """Start a broadcast on the group's worker thread (gloo) or stream (nccl); `wait()` on the result.
         Keep `tensor` alive and unchanged until then."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
+        opts = self._broadcast_options.get(src)
+        if opts is None:  # made once: less Python per broadcast on a thread that shares the GIL with decoding
+            opts = self._broadcast_options[src] = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = src, 0
         return self.pg.broadcast([tensor], opts)
 
     def barrier(self) -> None:
@@ -523,6 +525,8 @@ def receive_tensors(group: WeightUpdateGroup, specs: Sequence[TensorSpec], bucke
 
     def prepare(k: int, bucket: _Bucket) -> torch.Tensor:
         flat = views[k]
+        if flat is not None and bucket_bytes <= 0:
+            return result[bucket.indices[0]]  # the tensor itself, as _on_wire would view it, with no view op
         return _on_wire(flat if flat is not None else group.buffers.slot(k, bucket.nbytes), specs, bucket,
                         bucket_bytes)
 

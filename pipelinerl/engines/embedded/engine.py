@@ -468,7 +468,7 @@ class EmbeddedEngine:
         """On a worker thread: receive a checked update into the spare weights while decoding goes on, build
         the runner's transposed copies of them, then have the engine thread switch at its next step boundary
         (or switch here if it is idle), and wait for that here (not in another thread hop: every hop is
-        latency the trainer waits through). Returns when the receive ended."""
+        latency the trainer waits through). Returns when the last byte arrived."""
         self._cpus.pin_transfer()  # a pool thread: pinned again each time, it costs one system call
         plan = self._spare.staging(specs, bucket_bytes, group.device)
         copies = None
@@ -479,13 +479,16 @@ class EmbeddedEngine:
                 busy = bool(self._running or self._waiting or self._incoming)
             copies = _Copies(self.runner, self._spare.incoming(pending.names), eager=busy)
 
+        received = time.perf_counter()
+
         def after_bucket(indices: list[int]) -> None:
+            nonlocal received
+            received = time.perf_counter()  # the last bucket's: when the last byte arrived
             plan.after_bucket(indices)
             if copies is not None:
                 copies.received(indices)
 
         receive_tensors(group, specs, bucket_bytes, plan.targets, on_bucket=after_bucket)
-        received = time.perf_counter()
         if copies is not None and copies.slots:
             pending.copies = copies.copies
             pending.stale_copies = copies.stale

@@ -379,10 +379,12 @@ class SlotRunner:
     # --- weights stored transposed -------------------------------------------------------------------------
     # The model's parameters (and the fused buffers they are views of) stay as the wire lays them, so that an
     # update lands in them with no copy (spare_weights.py). Where multiplying by a weight is faster with it
-    # stored transposed (`LinearKernels.transposed`), the runner multiplies by a transposed copy instead. The
-    # engine builds the copies of an update's weights from the received tensors before it switches to them
-    # (`build_copies`), and takes them into use at the switch (`use_copies`): decoding never multiplies by a
-    # stale copy, nor falls back to the slower live weights while new copies are made.
+    # stored transposed (`LinearKernels.transposed`), the runner multiplies by a transposed copy instead. While
+    # sequences decode, the engine builds the copies of an update's weights from the received tensors before
+    # it switches to them (`build_copies`) and takes them into use at the switch (`use_copies`), so decoding
+    # never multiplies by a stale copy nor slows down on the live weights. An update that arrives while
+    # nothing decodes switches at once: the live weights are used (`use_copies` with the live weights
+    # themselves) until the copies built after the switch are ready.
 
     def transposed_weights(self) -> list[torch.Tensor]:
         """Transposed copies of the live weights of every relayout slot (freshly allocated)."""

@@ -105,8 +105,9 @@ class StagingPlan:
     copies: dict[int, torch.Tensor] = field(default_factory=dict)
     to_prepare: list[_Storage] = field(default_factory=list)
 
-    @torch.no_grad()
     def after_bucket(self, indices: list[int]) -> None:
+        # No torch.no_grad(): nothing here requires grad (spares are detached), and on the receiving thread its
+        # Python (a decorator's context manager per bucket) is GIL time taken from decoding.
         for i in indices:
             spare = self.copies.get(i)
             if spare is not None:
