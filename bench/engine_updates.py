@@ -2,13 +2,14 @@
 
 This process is the trainer: rank 0 of a gloo weight-update group with one embedded engine process
 (`pipelinerl serve`, THREADS torch thread). CONCURRENT client threads keep the engine saturated with long
-sampled requests (EOS ignored, a new request as soon as one returns; lengths spread from MAX_NEW / 2 to
-3 MAX_NEW / 2, so that requests end at different times). Generated tokens per second are read
-from the engine's /metrics (`pipelinerl_generated_tokens_total` over wall time) in alternating windows of
-WINDOW_S seconds: without updates, then with the trainer pushing updates back to back (`push_weights` in a
-loop, two weight sets alternating), and so on, starting and ending with a window without updates. Each window
-with updates is compared with the mean of the two windows around it (drift in the machine's speed, from other
-work on it, hits a window and its neighbours alike); `ratio` = the median of these per-round ratios of
+sampled requests (EOS ignored, a new request as soon as one returns; lengths drawn from MAX_NEW / 2 to
+3 MAX_NEW / 2, so that requests end at different times; measured once every client has had two answered).
+Generated tokens per second are read from the engine's /metrics (`pipelinerl_generated_tokens_total` over wall
+time) in alternating windows of WINDOW_S seconds: without updates, then with the trainer pushing updates back
+to back (`push_weights` in a loop, two weight sets alternating, in BUCKET_BYTES buckets), and so on,
+starting and ending with a window without updates. Each window with updates is compared with the mean of the
+two windows around it (drift in the machine's speed, from other work on it, hits a window and its neighbours
+alike); `ratio` = the median of these per-round ratios of
 tokens/s with updates / tokens/s without, `ratio_rounds` their min / median / max. Target: >= 0.95.
 
 Also reported per update: the decode stall (`switch_s`, and the engine's
@@ -24,6 +25,7 @@ lock or memory contention), about 1 when the loss is only CPU time taken by othe
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 import threading
 import time
@@ -32,13 +34,16 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, median, model_settings, tiny_model, verdict
+from pipelinerl.config import WeightSyncConfig
 
 NAME = "engine_updates"
 TARGET = 0.95
 HIDDEN, LAYERS = 384, 4
-CONCURRENT, PROMPT_LEN, MAX_NEW = 32, 16, 480  # MAX_NEW: the mean; client i asks for 240 + 15 i tokens
+CONCURRENT, PROMPT_LEN, MAX_NEW = 32, 16, 480  # MAX_NEW: the mean; each request asks for 240 to 720
 THREADS = 1
-BUCKET_BYTES = 0  # push_weights' default: one broadcast per tensor, received in place (the lightest on both sides)
+# How the updates are sent: as the trainer sends them by default (`weight_sync.bucket_mb`); 0 is one broadcast
+# per tensor (push_weights' default; what SGLang takes), ~5x as many broadcasts for this model.
+BUCKET_BYTES = int(WeightSyncConfig().bucket_mb * 2**20)
 WINDOW_S, QUICK_WINDOW_S = 4.0, 2.0
 ROUNDS, QUICK_ROUNDS = 11, 3  # windows with updates; each sits between two windows without
 # The engine's recommended setup on a CPU machine (`--decode-cpus`, pipelinerl/engines/embedded/cpus.py): its
@@ -128,10 +133,6 @@ class Trainer:
         self.group.destroy()
 
 
-def max_new_tokens(client: int) -> int:
-    return MAX_NEW // 2 + client * MAX_NEW // CONCURRENT
-
-
 class Load:
     """CONCURRENT threads, each posting one long sampled request after another until stopped."""
 
@@ -139,29 +140,33 @@ class Load:
         self.client = client
         self.stopping = threading.Event()
         self.errors: list[str] = []
+        self.finished = [0] * CONCURRENT  # requests each client has had answered
         self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(CONCURRENT)]
         for t in self.threads:
             t.start()
 
     def _loop(self, i: int) -> None:
         prompt = [4 + (i * 7 + j) % 90 for j in range(PROMPT_LEN)]
-        # Lengths spread around MAX_NEW, so that requests end at different times, as in a real workload: all
-        # of one length would end together, and tokens/s would rise and fall with their common position.
-        max_new = max_new_tokens(i)
+        # Lengths drawn around MAX_NEW, so that requests end at different times, as in a real workload: all of
+        # one length would end together, and tokens/s would rise and fall with their common position.
+        lengths = random.Random(i)
         while not self.stopping.is_set():
+            max_new = lengths.randint(MAX_NEW // 2, MAX_NEW * 3 // 2)
             try:
                 self.client.generate(prompt, temperature=1.0, max_new_tokens=max_new, ignore_eos=True)
+                self.finished[i] += 1
             except Exception as e:  # reported in the result; the benchmark goes on
                 self.errors.append(f"{type(e).__name__}: {e}"[:200])
                 time.sleep(0.1)
 
-    def wait_saturated(self, timeout_s: float = 60.0) -> None:
+    def wait_saturated(self, timeout_s: float = 180.0) -> None:
+        """Until every client has had two requests answered: the first requests all start together, so their
+        positions (and the cost of a step, which grows with the longest) move in step for a while."""
         deadline = time.monotonic() + timeout_s
-        while self.client.metrics()["pipelinerl_running_seqs"] < CONCURRENT:
+        while min(self.finished) < 2 or self.client.metrics()["pipelinerl_running_seqs"] < CONCURRENT:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the engine never ran {CONCURRENT} sequences at once")
+                raise TimeoutError(f"the engine never answered every client and ran {CONCURRENT} sequences at once")
             time.sleep(0.05)
-        time.sleep(1.0)  # past the first prefills
 
     def stop(self) -> None:
         self.stopping.set()
@@ -276,7 +281,7 @@ def _result(model: dict, windows: list[dict], final: dict, trainer: Trainer, err
         "load_errors": errors[:10],
         "settings": {"model": model, "engine_threads": THREADS, "trainer_threads": THREADS,
                      "concurrent_requests": CONCURRENT, "prompt_len": PROMPT_LEN,
-                     "max_new_tokens": [max_new_tokens(0), max_new_tokens(CONCURRENT - 1)],
+                     "max_new_tokens": [MAX_NEW // 2, MAX_NEW * 3 // 2],
                      "sampling": "temperature 1.0, EOS ignored", "bucket_bytes": BUCKET_BYTES,
                      "transposed_weights": TRANSPOSED_WEIGHTS,
                      "backend": "gloo (loopback)", "window_s": window_s, "windows_with_updates": rounds,
@@ -311,7 +316,7 @@ def _start_engine(path: Path, log_dir: Path, split: tuple[list[int], list[int]] 
 
     port = free_port()
     log = log_dir / f"engine-{port}.log"
-    longest = max_new_tokens(CONCURRENT - 1)
+    longest = MAX_NEW * 3 // 2
     extra = ["--transposed-weights", TRANSPOSED_WEIGHTS,
              "--max-running-seqs", str(CONCURRENT), "--max-model-len", str(PROMPT_LEN + longest),
              "--max-batch-tokens", str(CONCURRENT * (PROMPT_LEN + longest)), "--threads", str(THREADS)]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipelinerl.engines.embedded.transpose import transposed_copy
+from pipelinerl.engines.embedded.transpose import transposed_copier, transposed_copy
 
 FAST_PATH_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # LinearKernels times both kernels for row counts 1, 2, 4, ... up to this; more rows use the last decision.
@@ -401,7 +401,16 @@ class SlotRunner:
         """Transposed copies of `sources` (relayout slot -> the weight that slot will hold), written into the
         copies that the last `use_copies` retired, so steady updates allocate nothing. Reads only `sources` and
         retired copies: safe while decoding, but not concurrently with `use_copies`."""
-        return {slot: transposed_copy(src, out=self._retired.pop(slot, None)) for slot, src in sources.items()}
+        copies = {}
+        for slot, (copy, fill) in self.copy_plans(sources).items():
+            fill()
+            copies[slot] = copy
+        return copies
+
+    def copy_plans(self, sources: dict[int, torch.Tensor]) -> dict[int, tuple[torch.Tensor, Callable[[], None]]]:
+        """`build_copies` in two halves, per slot: (the copy, a function that fills it from the source as it is
+        when called): for sources whose values have not arrived yet (`transposed_copier`)."""
+        return {slot: transposed_copier(src, out=self._retired.pop(slot, None)) for slot, src in sources.items()}
 
     def use_copies(self, copies: dict[int, torch.Tensor]) -> None:
         """Multiply by these (relayout slot -> transposed copy, or the slot's live weight itself) from the next

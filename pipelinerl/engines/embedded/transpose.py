@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -25,22 +26,40 @@ PANEL_ROWS = 64
 def transposed_copy(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A copy of the matrix w with the same [rows, cols] values and its memory laid out as w.T's; written into
     `out` (an earlier such copy of a matrix like w) when given, so that steady updates allocate nothing."""
+    copy, fill = transposed_copier(w, out)
+    fill()
+    return copy
+
+
+def transposed_copier(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Callable[[], None]]:
+    """`transposed_copy` in two halves: (the copy, not yet filled; a function that fills it with w's values
+    as they are when it is called). Made before w's values are there (a receive fills w), so that copying is
+    then one call with next to no Python: on the receiving thread, Python holds the GIL that decoding needs."""
     if out is not None and (out.shape, out.dtype, out.device) == (w.shape, w.dtype, w.device) \
             and out.t().is_contiguous():
         memory = out.t()
     else:
         memory = torch.empty(w.shape[::-1], dtype=w.dtype, device=w.device)
-    src = w.detach().contiguous()
-    omatcopy = _mkl_omatcopy(src.dtype) if src.device.type == "cpu" else None
-    if omatcopy is not None and src.numel():
-        rows, cols = src.shape
-        omatcopy(b"R", b"T", rows, cols, 1.0, src.data_ptr(), cols, memory.data_ptr(), rows)
-    elif src.numel() * src.element_size() < PANEL_MIN_BYTES:
+    omatcopy = _mkl_omatcopy(w.dtype) if w.device.type == "cpu" and w.is_contiguous() and w.numel() else None
+    if omatcopy is None:
+        return memory.t(), functools.partial(_copy_transposed, w.detach(), memory)
+    rows, cols = w.shape
+    args = (b"R", b"T", rows, cols, 1.0, w.data_ptr(), cols, memory.data_ptr(), rows)
+
+    def fill(source: torch.Tensor = w) -> None:  # `source` keeps w's memory alive until the copy
+        omatcopy(*args)
+
+    return memory.t(), fill
+
+
+def _copy_transposed(src: torch.Tensor, memory: torch.Tensor) -> None:
+    """memory (laid out as src.T) = src.T, with torch's copy."""
+    src = src.contiguous()
+    if src.numel() * src.element_size() < PANEL_MIN_BYTES:
         memory.copy_(src.t())  # in the order of memory's elements: reads strided, writes in sequence
     else:
         for row in range(0, src.shape[0], PANEL_ROWS):  # a panel's columns stay in cache
             memory[:, row:row + PANEL_ROWS].copy_(src[row:row + PANEL_ROWS].t())
-    return memory.t()
 
 
 @functools.cache
