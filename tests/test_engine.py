@@ -152,6 +152,21 @@ def test_update_changes_outputs_and_checksums_match_trainer(engine, trainer):
     assert out.token_ids == trainer.greedy_reference(new, PROMPT, 24)
 
 
+def switch_point(out, version) -> int:
+    """The index of the first token of `out` labelled `version` (its length if none is)."""
+    return out.versions.index(version) if version in out.versions else len(out.token_ids)
+
+
+def assert_switched_in_flight(trainer, out, old, new, old_version) -> None:
+    """`out` (a greedy completion of PROMPT) switched from `old` to `new` (the trainer's current version) at a
+    step boundary: the tokens before are old's, the ones after continue from the same KV cache under new."""
+    steps, switch = len(out.token_ids), switch_point(out, trainer.version)
+    assert out.versions == [old_version] * switch + [trainer.version] * (steps - switch)
+    assert out.token_ids[:switch] == trainer.greedy_reference(old, PROMPT, switch)
+    assert out.token_ids[switch:] == trainer.continue_after_switch(old, new, PROMPT, out.token_ids[:switch],
+                                                                   steps - switch)
+
+
 def test_in_flight_switch_continues_from_kv_cache(engine, trainer):
     old, new = trainer.base, trainer.perturbed(seed=2)
     steps = 1000
@@ -171,15 +186,11 @@ def test_in_flight_switch_continues_from_kv_cache(engine, trainer):
         thread.join(timeout=60)
         out = result["out"].completions[0]
         assert len(out.token_ids) == steps
-        switch = out.versions.index(trainer.version) if trainer.version in out.versions else steps
-        if 0 < switch < steps - 10:
+        if 0 < switch_point(out, trainer.version) < steps - 10:
             break
     else:
         pytest.fail("in 5 tries, the update never landed in the middle of the generation")
-    assert out.versions == [old_version] * switch + [trainer.version] * (steps - switch)
-    assert out.token_ids[:switch] == trainer.greedy_reference(old, PROMPT, switch)
-    after = trainer.continue_after_switch(old, new, PROMPT, out.token_ids[:switch], steps - switch)
-    assert out.token_ids[switch:] == after
+    assert_switched_in_flight(trainer, out, old, new, old_version)
     # and it differs from simply running the new model from scratch, so the cache really was kept
     assert engine.metrics()["pipelinerl_weight_updates_while_running_total"] >= 1
 
@@ -405,16 +416,11 @@ def test_transposed_weight_copies_follow_every_update(tiny_model_dir, tmp_path, 
                     trainer.push(state)
                     assert relayouts() == (before + 2 if copying else 0)  # in use as the update returns
                     out = running.result(timeout=60).completions[0]
-                steps = len(out.token_ids)  # as many as the engine's context leaves room for
-                switch = out.versions.index(trainer.version) if trainer.version in out.versions else steps
-                if 0 < switch < steps - 10:
+                if 0 < switch_point(out, trainer.version) < len(out.token_ids) - 10:
                     break
             else:
                 pytest.fail("in 5 tries, the update never landed in the middle of the generation")
-            assert out.versions == [old_version] * switch + [trainer.version] * (steps - switch)
-            assert out.token_ids[:switch] == trainer.greedy_reference(old, PROMPT, switch)
-            assert out.token_ids[switch:] == trainer.continue_after_switch(old, state, PROMPT, out.token_ids[:switch],
-                                                                          steps - switch)
+            assert_switched_in_flight(trainer, out, old, state, old_version)
             assert (client.metrics()["pipelinerl_weight_relayout_seconds_total"] > 0) == copying
 
             # A partial update of rows of the fused q/k/v weights: changed in place at the switch, their copies
