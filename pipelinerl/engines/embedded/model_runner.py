@@ -382,10 +382,9 @@ class SlotRunner:
     # stored transposed (`LinearKernels.transposed`), the runner multiplies by a transposed copy instead. While
     # sequences decode, the engine builds the copies of an update's weights from the received tensors before
     # it switches to them (`copy_plans`, each filled as its weight arrives) and takes them into use at the
-    # switch (`use_copies`), so decoding
-    # never multiplies by a stale copy nor slows down on the live weights. An update that arrives while
-    # nothing decodes switches at once: the live weights are used (`use_copies` with the live weights
-    # themselves) until the copies built after the switch are ready.
+    # switch (`use_copies`), so decoding never multiplies by a stale copy nor slows down on the live weights.
+    # An update that arrives while nothing decodes switches at once: the live weights are used (`use_copies`
+    # with the live weights themselves) until the copies built after the switch (`build_copies`) are ready.
 
     def transposed_weights(self) -> list[torch.Tensor]:
         """Transposed copies of the live weights of every relayout slot (freshly allocated)."""
