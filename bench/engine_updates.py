@@ -12,6 +12,12 @@ two windows around it (drift in the machine's speed, from other work on it, hits
 alike); `ratio` = the median of these per-round ratios of
 tokens/s with updates / tokens/s without, `ratio_rounds` their min / median / max. Target: >= 0.95.
 
+A third kind of window is the machine's share of that loss, measured in the same run: the trainer sends the
+same update, in the same buckets and at the rate of the window with updates before it, to a *sink* process
+(not the engine) on the engine's receiving CPUs, while the engine decodes with no update (`ratio_transfer_only`).
+What moving the bytes costs decoding there (on a small VM, through cores that share execution units, caches
+or memory bandwidth) any design that receives beside decoding pays; the rest of the loss is the engine's own.
+
 Also reported per update: the decode stall (`switch_s`, and the engine's
 `pipelinerl_last_weight_update_switch_seconds`), the receive time, the bandwidth (bytes / receive_s), and the
 trainer's wall time per push. On a machine with few cores the trainer's broadcast and the engine's receiving
@@ -24,6 +30,7 @@ lock or memory contention), about 1 when the loss is only CPU time taken by othe
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import tempfile
@@ -45,7 +52,7 @@ THREADS = 1
 # per tensor (push_weights' default; what SGLang takes), ~5x as many broadcasts for this model.
 BUCKET_BYTES = int(WeightSyncConfig().bucket_mb * 2**20)
 WINDOW_S, QUICK_WINDOW_S = 4.0, 2.0
-ROUNDS, QUICK_ROUNDS = 11, 3  # windows with updates; each sits between two windows without
+ROUNDS, QUICK_ROUNDS = 11, 3  # windows with updates, and as many with the transfer control; each between two without
 # The engine's recommended setup on a CPU machine (`--decode-cpus`, pipelinerl/engines/embedded/cpus.py): its
 # decoding on THREADS cores of its own, weight receiving and this process (the trainer's broadcast, the load)
 # on the rest. Set it False to measure everything sharing every core (about 70% kept on 2 cores).
@@ -77,16 +84,20 @@ def run(quick: bool = False) -> dict:
 
         trainer = None
         load = None
+        control = None
         try:
             trainer = Trainer(client, path)
+            control = TransferControl([t for _, t in trainer.states[0]], split[1] if split else None)
             load = Load(client)
             load.wait_saturated()
-            windows = _alternate_windows(client, trainer, ThreadCpu(proc.pid), window_s, rounds)
+            windows = _alternate_windows(client, trainer, control, ThreadCpu(proc.pid), window_s, rounds)
             final = client.metrics()
             settings = {**model_settings(path), "params": sum(t.numel() for _, t in trainer.states[0])}
         finally:
             if load is not None:
                 load.stop()
+            if control is not None:
+                control.close()
             if trainer is not None:
                 trainer.close()
             client.close()
@@ -114,6 +125,7 @@ class Trainer:
         self.states = [base, nudged]
         self.client, self.version = client, 0
         self.pushes: list[dict] = []
+        self.last_window_s, self.last_window_pushes = 1.0, 0  # the last window with updates (TransferControl)
         port = free_port()
         world, futures = init_group_on_engines([client], "127.0.0.1", port, "gloo", "weight_update", 60)
         self.group = init_weight_update_group("127.0.0.1", port, 0, world, "gloo", timeout_s=60)
@@ -131,6 +143,61 @@ class Trainer:
 
     def close(self) -> None:
         self.group.destroy()
+
+
+class TransferControl:
+    """The same update, sent the same way, to a sink process instead of the engine: rank 0 of a second gloo
+    group whose rank 1 (`_sink`, on `cpus`) only receives it into buffers laid out as the wire lays it out, as
+    the engine does, and does nothing else with it."""
+
+    def __init__(self, tensors: list[torch.Tensor], cpus: list[int] | None):
+        from pipelinerl.procs import free_port
+        from pipelinerl.weight_sync import TensorSpec, init_weight_update_group
+
+        self.tensors, self.pushes = tensors, 0
+        specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
+        port = free_port()
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=_sink, args=(port, specs, BUCKET_BYTES, cpus), daemon=True)
+        self.proc.start()
+        self.group = init_weight_update_group("127.0.0.1", port, 0, 2, "gloo", "transfer_control", timeout_s=60)
+        self._command = torch.ones(1, dtype=torch.int64)
+
+    def push(self) -> None:
+        from pipelinerl.weight_sync import broadcast_tensors
+
+        self.group.broadcast(self._command)  # 1: an update follows
+        broadcast_tensors(self.group, self.tensors, BUCKET_BYTES)
+        self.pushes += 1
+
+    def close(self) -> None:
+        try:
+            self.group.broadcast(torch.zeros(1, dtype=torch.int64))  # 0: stop
+        finally:
+            self.group.destroy()
+            self.proc.join(timeout=30)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def _sink(port: int, specs: list, bucket_bytes: int, cpus: list[int] | None) -> None:
+    """TransferControl's rank 1: receive updates until told to stop."""
+    from pipelinerl.weight_sync import init_weight_update_group, receive_tensors, wire_buffers
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(THREADS)
+    group = init_weight_update_group("127.0.0.1", port, 1, 2, "gloo", "transfer_control", timeout_s=60)
+    out = wire_buffers(specs, bucket_bytes, group.device)
+    command = torch.zeros(1, dtype=torch.int64)
+    try:
+        while True:
+            group.broadcast(command)
+            if not command.item():
+                return
+            receive_tensors(group, specs, bucket_bytes, out)
+    finally:
+        group.destroy()
 
 
 class Load:
@@ -200,23 +267,36 @@ class ThreadCpu:
         return out
 
 
-def _alternate_windows(client, trainer: Trainer, cpu: ThreadCpu, window_s: float, rounds: int) -> list[dict]:
-    windows = [_window(client, trainer, cpu, window_s, updates=False)]
+def _alternate_windows(client, trainer: Trainer, control: TransferControl, cpu: ThreadCpu, window_s: float,
+                       rounds: int) -> list[dict]:
+    """none, updates, none, transfer, none, updates, ...: every window with updates or with the transfer
+    control between two without."""
+    windows = [_window(client, trainer, control, cpu, window_s, "none")]
     for _ in range(rounds):
-        windows.append(_window(client, trainer, cpu, window_s, updates=True))
-        windows.append(_window(client, trainer, cpu, window_s, updates=False))
+        for kind in ("updates", "transfer"):
+            windows.append(_window(client, trainer, control, cpu, window_s, kind))
+            windows.append(_window(client, trainer, control, cpu, window_s, "none"))
     return windows
 
 
-def _window(client, trainer: Trainer, cpu: ThreadCpu, window_s: float, updates: bool) -> dict:
-    """Generated tokens/s over about `window_s` seconds, with or without updates pushed back to back, and
-    where the CPU went: the engine's busiest thread (decoding), its other threads, this process."""
+def _window(client, trainer: Trainer, control: TransferControl, cpu: ThreadCpu, window_s: float,
+            kind: str) -> dict:
+    """Generated tokens/s over about `window_s` seconds, and where the CPU went: the engine's busiest thread
+    (decoding), its other threads, this process. `kind`: "none"; "updates", pushed back to back; "transfer",
+    the same update sent to the sink at the rate of the last window with updates."""
     first_push = len(trainer.pushes)
+    first_transfer = control.pushes
     threads_before, trainer_before = cpu.read(), time.process_time()
     before, t0 = client.metrics(), time.perf_counter()
-    if updates:
+    if kind == "updates":
         while time.perf_counter() - t0 < window_s:
             trainer.push()
+    elif kind == "transfer":
+        interval = trainer.last_window_s / max(trainer.last_window_pushes, 1)
+        while time.perf_counter() - t0 < window_s:
+            start = time.perf_counter()
+            control.push()
+            time.sleep(max(0.0, interval - (time.perf_counter() - start)))
     else:
         time.sleep(window_s)
     after, seconds = client.metrics(), time.perf_counter() - t0
@@ -228,8 +308,11 @@ def _window(client, trainer: Trainer, cpu: ThreadCpu, window_s: float, updates: 
 
     tokens = delta("generated_tokens_total")
     decode_cpu = max(threads.values(), default=0.0)
-    return {"updates": updates, "seconds": round(seconds, 3), "tokens": int(tokens),
+    if kind == "updates":
+        trainer.last_window_s, trainer.last_window_pushes = seconds, len(trainer.pushes) - first_push
+    return {"kind": kind, "seconds": round(seconds, 3), "tokens": int(tokens),
             "tokens_per_s": round(tokens / seconds, 1), "pushes": len(trainer.pushes) - first_push,
+            "transfers": control.pushes - first_transfer,
             "decode_busy": round(delta("decode_seconds_total") / seconds, 3),
             "switch_fraction": round(delta("weight_update_switch_seconds_total") / seconds, 5),
             "engine_decode_thread_cores": round(decode_cpu / seconds, 3),
@@ -241,10 +324,12 @@ def _window(client, trainer: Trainer, cpu: ThreadCpu, window_s: float, updates: 
 
 def _result(model: dict, windows: list[dict], final: dict, trainer: Trainer, errors: list[str], window_s: float,
             rounds: int, split: tuple[list[int], list[int]] | None) -> dict:
-    baseline, updating = _mean(windows, "tokens_per_s", False), _mean(windows, "tokens_per_s", True)
-    kept = _round_ratios(windows, "tokens_per_s")
-    per_cpu = (_round_ratios(windows, "tokens_per_decode_cpu_s")
-               if all(w["tokens_per_decode_cpu_s"] for w in windows) else [])
+    baseline, updating = _mean(windows, "tokens_per_s", "none"), _mean(windows, "tokens_per_s", "updates")
+    kept = _round_ratios(windows, "tokens_per_s", "updates")
+    kept_transfer = _round_ratios(windows, "tokens_per_s", "transfer")
+    has_cpu = all(w["tokens_per_decode_cpu_s"] for w in windows)
+    per_cpu = _round_ratios(windows, "tokens_per_decode_cpu_s", "updates") if has_cpu else []
+    per_cpu_transfer = _round_ratios(windows, "tokens_per_decode_cpu_s", "transfer") if has_cpu else []
     pushes = trainer.pushes
     receive = [p["receive_s"] for p in pushes]
     switch = [p["switch_s"] for p in pushes]
@@ -258,19 +343,30 @@ def _result(model: dict, windows: list[dict], final: dict, trainer: Trainer, err
         "summary": (f"{ratio:.1%} kept (rounds {min(kept):.0%}-{max(kept):.0%}; {updating:.0f} vs {baseline:.0f} "
                     f"tok/s), {model['params'] / 1e6:.1f}M-param model, {len(pushes)} updates of "
                     f"{update_bytes / 2**20:.1f} MiB, stall {median(switch) * 1e3:.2f} ms, "
-                    f"{update_bytes / median(receive) / 2**20:.0f} MiB/s"),
+                    f"{update_bytes / median(receive) / 2**20:.0f} MiB/s; the same transfer to a sink process "
+                    f"instead: {median(kept_transfer):.1%} kept"),
         "ratio_rounds": _spread(kept),
+        "ratio_transfer_only": round(median(kept_transfer), 3),
+        "ratio_transfer_only_rounds": _spread(kept_transfer),
+        "ratio_transfer_only_is": "tokens/s while this process sends the same update, at the rate of the window "
+                                  "with updates before, to a sink process on the engine's receiving CPUs instead "
+                                  "of the engine / tokens/s without: what moving the bytes beside decoding costs "
+                                  "on this machine, apart from the engine",
         "ratio_per_decode_cpu_second": round(median(per_cpu), 3) if per_cpu else None,
         "ratio_per_decode_cpu_second_rounds": _spread(per_cpu) if per_cpu else None,
         "ratio_per_decode_cpu_second_is": "the same ratio per CPU second of the engine's decoding thread: what the "
                                           "updates cost decoding apart from the CPU time other processes take",
-        "decode_thread_cores_without_updates": round(_mean(windows, "engine_decode_thread_cores", False), 3),
-        "decode_thread_cores_with_updates": round(_mean(windows, "engine_decode_thread_cores", True), 3),
+        "ratio_per_decode_cpu_second_transfer_only": round(median(per_cpu_transfer), 3) if per_cpu else None,
+        "decode_thread_cores_without_updates": round(_mean(windows, "engine_decode_thread_cores", "none"), 3),
+        "decode_thread_cores_with_updates": round(_mean(windows, "engine_decode_thread_cores", "updates"), 3),
+        "decode_thread_cores_transfer_only": round(_mean(windows, "engine_decode_thread_cores", "transfer"), 3),
         "tokens_per_s_without_updates": round(baseline, 1),
         "tokens_per_s_with_updates": round(updating, 1),
         "updates": len(pushes),
         "update_bytes": update_bytes,
-        "updates_per_s": round(len(pushes) / sum(w["seconds"] for w in windows if w["updates"]), 2),
+        "updates_per_s": round(len(pushes) / sum(w["seconds"] for w in windows if w["kind"] == "updates"), 2),
+        "transfers_per_s": round(sum(w["transfers"] for w in windows)
+                                 / sum(w["seconds"] for w in windows if w["kind"] == "transfer"), 2),
         "switch_s_median": round(median(switch), 5),
         "switch_s_max": round(max(switch), 5),
         "last_weight_update_switch_seconds": final["pipelinerl_last_weight_update_switch_seconds"],
@@ -295,18 +391,18 @@ def _result(model: dict, windows: list[dict], final: dict, trainer: Trainer, err
     }
 
 
-def _round_ratios(windows: list[dict], key: str) -> list[float]:
-    """For each window with updates, its `key` over the mean of the two windows without updates around it."""
+def _round_ratios(windows: list[dict], key: str, kind: str) -> list[float]:
+    """For each window of `kind`, its `key` over the mean of the two windows without updates around it."""
     return [w[key] / ((windows[i - 1][key] + windows[i + 1][key]) / 2)
-            for i, w in enumerate(windows) if w["updates"]]
+            for i, w in enumerate(windows) if w["kind"] == kind]
 
 
 def _spread(xs: list[float]) -> dict:
     return {"min": round(min(xs), 3), "median": round(median(xs), 3), "max": round(max(xs), 3)}
 
 
-def _mean(windows: list[dict], key: str, updates: bool) -> float:
-    values = [w[key] for w in windows if w["updates"] == updates]
+def _mean(windows: list[dict], key: str, kind: str) -> float:
+    values = [w[key] for w in windows if w["kind"] == kind]
     return sum(values) / len(values)
 
 
