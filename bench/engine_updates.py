@@ -125,7 +125,6 @@ class Trainer:
         self.states = [base, nudged]
         self.client, self.version = client, 0
         self.pushes: list[dict] = []
-        self.last_window_s, self.last_window_pushes = 1.0, 0  # the last window with updates (TransferControl)
         port = free_port()
         world, futures = init_group_on_engines([client], "127.0.0.1", port, "gloo", "weight_update", 60)
         self.group = init_weight_update_group("127.0.0.1", port, 0, world, "gloo", timeout_s=60)
@@ -271,19 +270,22 @@ def _alternate_windows(client, trainer: Trainer, control: TransferControl, cpu: 
                        rounds: int) -> list[dict]:
     """none, updates, none, transfer, none, updates, ...: every window with updates or with the transfer
     control between two without."""
-    windows = [_window(client, trainer, control, cpu, window_s, "none")]
+    def window(kind: str, interval: float = 0.0) -> dict:
+        return _window(client, trainer, control, cpu, window_s, kind, interval)
+
+    windows = [window("none")]
     for _ in range(rounds):
-        for kind in ("updates", "transfer"):
-            windows.append(_window(client, trainer, control, cpu, window_s, kind))
-            windows.append(_window(client, trainer, control, cpu, window_s, "none"))
+        updates = window("updates")
+        windows += [updates, window("none")]
+        windows += [window("transfer", updates["seconds"] / max(updates["pushes"], 1)), window("none")]
     return windows
 
 
 def _window(client, trainer: Trainer, control: TransferControl, cpu: ThreadCpu, window_s: float,
-            kind: str) -> dict:
+            kind: str, interval: float = 0.0) -> dict:
     """Generated tokens/s over about `window_s` seconds, and where the CPU went: the engine's busiest thread
     (decoding), its other threads, this process. `kind`: "none"; "updates", pushed back to back; "transfer",
-    the same update sent to the sink at the rate of the last window with updates."""
+    the same update sent to the sink once every `interval` seconds."""
     first_push = len(trainer.pushes)
     first_transfer = control.pushes
     threads_before, trainer_before = cpu.read(), time.process_time()
@@ -292,7 +294,6 @@ def _window(client, trainer: Trainer, control: TransferControl, cpu: ThreadCpu, 
         while time.perf_counter() - t0 < window_s:
             trainer.push()
     elif kind == "transfer":
-        interval = trainer.last_window_s / max(trainer.last_window_pushes, 1)
         while time.perf_counter() - t0 < window_s:
             start = time.perf_counter()
             control.push()
@@ -308,8 +309,6 @@ def _window(client, trainer: Trainer, control: TransferControl, cpu: ThreadCpu, 
 
     tokens = delta("generated_tokens_total")
     decode_cpu = max(threads.values(), default=0.0)
-    if kind == "updates":
-        trainer.last_window_s, trainer.last_window_pushes = seconds, len(trainer.pushes) - first_push
     return {"kind": kind, "seconds": round(seconds, 3), "tokens": int(tokens),
             "tokens_per_s": round(tokens / seconds, 1), "pushes": len(trainer.pushes) - first_push,
             "transfers": control.pushes - first_transfer,
