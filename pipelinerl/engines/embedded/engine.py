@@ -140,7 +140,7 @@ class _Copies:
     so their copies can only be built after it. Not `eager`: nothing is built before the switch."""
 
     def __init__(self, runner, incoming: dict[int, tuple[torch.Tensor | None, list[int]]], eager: bool):
-        self._runner, self.eager = runner, eager
+        self.eager = eager
         self.slots: list[int] = []
         self.stale: list[int] = []
         self.copies: dict[int, torch.Tensor] = {}
