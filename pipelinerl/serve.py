@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="embedded engine on CPU: keep copies of the weights stored transposed where that makes "
                         "decoding faster (auto: where timed faster on this machine at start-up; none: no second "
                         "copy of the weights in memory). Rebuilt after each update, off the decoding thread")
+    p.add_argument("--update-receiver", default="auto", choices=["auto", "process", "thread"],
+                   help="embedded engine: receive weight updates in a process of its own, the weights in shared "
+                        "memory (process: no GIL shared with decoding; CPU only), or on a thread of the server "
+                        "(thread). auto: a process on CPU, a thread on GPU")
     p.add_argument("--initial-version", type=int, default=0, help="weight version of the loaded weights")
     p.add_argument("--log-level", default="warning")
 
@@ -77,7 +81,7 @@ def build_app(args: argparse.Namespace):
     model, tokenizer = load_model(args.model, args.dtype)
     settings = EngineSettings(max_running_seqs=args.max_running_seqs, max_batch_tokens=args.max_batch_tokens,
                               max_model_len=args.max_model_len, initial_version=args.initial_version,
-                              transposed_weights=args.transposed_weights)
+                              transposed_weights=args.transposed_weights, update_receiver=args.update_receiver)
     engine = EmbeddedEngine(model, args.model, settings, tokenizer, cpus=split)
     app = create_app(engine, title="pipelinerl embedded engine")
     app.router.on_shutdown.append(engine.shutdown)

@@ -5,8 +5,8 @@ CPU work: with few cores, the receiving threads (and the trainer's broadcast, wh
 take turns with the decoding thread on the same cores, and an engine kept about 70% of its tokens/s while
 updates arrived back to back (2 cores, `python -m bench --only engine_updates`). Given `--decode-cpus`, the
 engine's decoding thread (and the torch threads it starts) runs on those cores only, and every other thread of
-the server (HTTP, weight receiving, gloo's) on the others it may use, so updates take the other cores' time,
-not the decoding's.
+the server (HTTP, weight receiving, gloo's), and the weight-receiving process (receiver.py), on the others it
+may use, so updates take the other cores' time, not the decoding's.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The embedded engine: continuous batching on one thread, in-flight weight updates received on another.
+"""The embedded engine: continuous batching on one thread, in-flight weight updates received beside it.
 
 Data flow: HTTP handlers (asyncio) validate a request and queue it; the engine thread admits queued requests
 between decode steps (prefill once per prompt, its KV cache copied to the n samples), decodes all running
 sequences together, and resolves each request's future when its last sample ends. A weight update is received
-into a spare copy of the weights' storage on a worker thread while decoding goes on; the engine thread swaps
-spare and live storage at the next step boundary (no copy: see `spare_weights`), so running sequences continue
-from their KV cache under the new weights and every later token carries the new version.
+into a spare copy of the weights' storage while decoding goes on: on CPU by a process of its own, the weights
+in shared memory (`receiver.py`: no GIL shared with decoding), on GPU by a worker thread. The engine thread
+swaps spare and live storage at the next step boundary (no copy: see `spare_weights`), so running sequences
+continue from their KV cache under the new weights and every later token carries the new version.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from pipelinerl.contracts.inference import (
 )
 from pipelinerl.engines.embedded.cpus import CpuSplit
 from pipelinerl.engines.embedded.model_runner import copy_slot, make_runner
+from pipelinerl.engines.embedded.receiver import Receiver, ReceiverDied, Setup
 from pipelinerl.engines.embedded.sampling import SamplingBatch, sample_batch
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
+from pipelinerl.engines.embedded.transpose import UpdateCopies
 from pipelinerl.engines.server import ContractError, render_metrics
 from pipelinerl.weight_sync import (
     DTYPE_NAMES,
@@ -64,6 +67,12 @@ class EngineSettings:
     max_model_len: int = 512
     initial_version: int = 0
     transposed_weights: str = "auto"  # SlotRunner's `transposed`: "auto", "all" or "none"
+    # Where updates are received: "process" (receiver.py: no GIL shared with decoding; CPU only), "thread" (a
+    # thread of the engine's process), "auto" (a process on CPU, a thread on GPU)
+    update_receiver: str = "auto"
+
+
+UPDATE_RECEIVERS = ("auto", "process", "thread")
 
 
 @dataclass(eq=False)
@@ -127,55 +136,7 @@ class _PendingSwitch:
     copies: dict[int, torch.Tensor] = field(default_factory=dict)
     stale_copies: list[int] = field(default_factory=list)
     copies_after: list[int] = field(default_factory=list)
-
-
-class _Copies:
-    """Transposed copies of one update's received weights for the runner's relayout slots (model_runner.py:
-    where it multiplies by such copies), built before the switch while decoding goes on with the old weights
-    and copies. Built after the switch instead, decoding would run on stale copies (wrong) or on the live
-    weights (slower) until they were ready. `received` copies each weight as soon as its last piece has
-    arrived, on the receiving thread while the next pieces are in flight (on the process group's own thread):
-    a thread of its own would contend with decoding for the GIL at every hand-over. `slots`: every slot the
-    update changes; of them, `stale` are changed in place at the switch (a partial update of a fused buffer),
-    so their copies can only be built after it. Not `eager`: nothing is built before the switch."""
-
-    def __init__(self, runner, incoming: dict[int, tuple[torch.Tensor | None, list[int]]], eager: bool):
-        self.eager = eager
-        self.slots: list[int] = []
-        self.stale: list[int] = []
-        self.copies: dict[int, torch.Tensor] = {}
-        self.seconds = 0.0
-        self._source: dict[int, torch.Tensor] = {}  # slot -> the received tensor it will hold
-        self._missing: dict[int, set[int]] = {}  # slot -> indices of its pieces not yet received
-        self._slots_of: dict[int, list[int]] = {}  # piece index -> slots
-        for slot, (_, _, live) in enumerate(runner.relayout_slots):
-            source, pieces = incoming.get(id(live), (None, []))
-            if not pieces:
-                continue  # not in this update: the slot keeps its copy
-            self.slots.append(slot)
-            if source is None:
-                self.stale.append(slot)
-                continue
-            self._source[slot], self._missing[slot] = source, set(pieces)
-            for i in pieces:
-                self._slots_of.setdefault(i, []).append(slot)
-        # the copies' memory and their copying worked out now, so that each copy then is one call
-        self._plans = runner.copy_plans(self._source) if eager else {}
-
-    def received(self, indices: list[int]) -> None:
-        """Pieces `indices` of the update have arrived: copy the weights now complete (if eager)."""
-        if not self.eager:
-            return
-        for i in indices:
-            for slot in self._slots_of.get(i, ()):
-                missing = self._missing[slot]
-                missing.discard(i)
-                if not missing:
-                    t0 = time.perf_counter()
-                    copy, fill = self._plans[slot]
-                    fill()
-                    self.copies[slot] = copy
-                    self.seconds += time.perf_counter() - t0
+    foreign_copies: bool = False  # `copies` are the receiving process's (see SlotRunner.use_copies)
 
 
 class Metrics:
@@ -196,6 +157,7 @@ class Metrics:
         self.last_update_switch_seconds = 0.0
         self.relayouts = 0  # updates whose weights were copied transposed before the switch
         self.relayout_seconds = 0.0
+        self.receiver_restarts = 0
         self.started = time.monotonic()
 
 
@@ -218,8 +180,20 @@ class EmbeddedEngine:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.version = settings.initial_version
         self.metrics = Metrics()
-        self._group: WeightUpdateGroup | None = None
+        if settings.update_receiver not in UPDATE_RECEIVERS:
+            raise ValueError(f"update_receiver must be one of {', '.join(UPDATE_RECEIVERS)}, "
+                             f"not {settings.update_receiver!r}")
+        device = next(model.parameters()).device
+        if settings.update_receiver == "process" and device.type != "cpu":
+            raise ValueError(f"update_receiver 'process' needs the model on CPU, it is on {device}; use 'thread'")
+        self.receive_in_process = settings.update_receiver == "process" or (
+            settings.update_receiver == "auto" and device.type == "cpu")
+        self._group: WeightUpdateGroup | None = None  # receiving on a thread
+        self._receiver: Receiver | None = None  # receiving in a process: started when asked to join a group
+        self._group_name: str | None = None
         self._spare = SpareWeights(self.params, getattr(self.runner, "fused_groups", []))
+        if self.receive_in_process:
+            self._share_weights()
         self._update_lock = asyncio.Lock()
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
@@ -319,20 +293,24 @@ class EmbeddedEngine:
         if req.backend == "nccl" and not torch.cuda.is_available():
             raise ContractError(400, "backend 'nccl' needs a GPU; use 'gloo' on CPU", "backend")
         async with self._update_lock:
+            self._group_name = None
             if self._group is not None:
                 self._group.destroy()
                 self._group = None
+            args = (req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend,
+                    req.group_name, req.timeout_s)
             try:
-                self._group = await asyncio.to_thread(
-                    init_weight_update_group, req.master_address, req.master_port, req.rank_offset,
-                    req.world_size, req.backend, req.group_name, req.timeout_s)
+                if self.receive_in_process:
+                    await asyncio.to_thread(self._call_receiver, "join", *args)
+                else:
+                    self._group = await asyncio.to_thread(init_weight_update_group, *args)
             except WeightSyncError as e:
                 raise ContractError(504, str(e), type="weight_sync_error") from None
+            self._group_name = req.group_name
 
     async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         async with self._update_lock:
-            group = self._group
-            if group is None or group.group_name != req.group_name:
+            if self._group_name is None or self._group_name != req.group_name:
                 raise ContractError(409, f"not in weight-update group {req.group_name!r}; call "
                                          "/v1/weights/init_group first", "group_name", "conflict")
             specs = [TensorSpec(p.name, DTYPES[p.dtype], tuple(p.shape)) for p in req.params]
@@ -341,13 +319,18 @@ class EmbeddedEngine:
             if problem is not None:
                 # Drain the broadcast so the trainer and the other engines are not left hanging, but write
                 # nothing into the model.
-                await asyncio.to_thread(receive_tensors, group, specs, req.bucket_bytes)
+                try:
+                    if self.receive_in_process:
+                        await asyncio.to_thread(self._call_receiver, "drain", specs, req.bucket_bytes)
+                    else:
+                        await asyncio.to_thread(receive_tensors, self._group, specs, req.bucket_bytes)
+                except WeightSyncError as e:
+                    raise ContractError(504, str(e), type="weight_sync_error") from None
                 self.metrics.refused_updates += 1
                 raise ContractError(400, problem[1], problem[0], "mismatched_update")
             pending = _PendingSwitch(req.version, [s.name for s in specs])
             try:
-                received = await asyncio.to_thread(self._receive_and_switch, group, specs, req.bucket_bytes,
-                                                   pending)
+                received = await asyncio.to_thread(self._receive_and_switch, specs, req.bucket_bytes, pending)
             except WeightSyncError as e:
                 raise ContractError(504, str(e), type="weight_sync_error") from None
             receive_s = received - t0
@@ -365,7 +348,7 @@ class EmbeddedEngine:
         return InfoResponse(engine="embedded", model=self.model_name, weight_version=self.version,
                             max_model_len=self.settings.max_model_len, vocab_size=self.vocab_size,
                             max_running_seqs=self.settings.max_running_seqs, eos_token_ids=sorted(self.eos_ids),
-                            weight_group=self._group.group_name if self._group else None)
+                            weight_group=self._group_name)
 
     async def weights_checksum(self) -> WeightsChecksumResponse:
         # Read between steps would need the engine thread; a switch is one copy per tensor under the update
@@ -406,6 +389,8 @@ class EmbeddedEngine:
              "updates whose weights were copied transposed (for faster matmuls) before the switch"),
             ("weight_relayout_seconds_total", "counter", m.relayout_seconds,
              "time spent copying received weights transposed, on the receiving CPUs"),
+            ("weight_receiver_restarts_total", "counter", m.receiver_restarts,
+             "weight-receiving processes that died and were replaced"),
         ]
         return render_metrics(rows)
 
@@ -418,6 +403,8 @@ class EmbeddedEngine:
             self._copier.shutdown(wait=True, cancel_futures=True)
         if self._group is not None:
             self._group.destroy()
+        if self._receiver is not None:
+            self._receiver.close()
 
     # --- validation ----------------------------------------------------------------------------------------
 
@@ -464,21 +451,57 @@ class EmbeddedEngine:
                                           f"the update says {p.dtype}")
         return None
 
-    def _receive_and_switch(self, group: WeightUpdateGroup, specs: list[TensorSpec], bucket_bytes: int,
-                            pending: _PendingSwitch) -> float:
-        """On a worker thread: receive a checked update into the spare weights while decoding goes on, build
-        the runner's transposed copies of them, then have the engine thread switch at its next step boundary
-        (or switch here if it is idle), and wait for that here (not in another thread hop: every hop is
-        latency the trainer waits through). Returns when the last byte arrived."""
+    def _receive_and_switch(self, specs: list[TensorSpec], bucket_bytes: int, pending: _PendingSwitch) -> float:
+        """On a worker thread: receive a checked update into the spare weights while decoding goes on (here, or
+        in the receiving process), with the runner's transposed copies of them, then have the engine thread
+        switch at its next step boundary (or switch here if it is idle), and wait for that here (not in another
+        thread hop: every hop is latency the trainer waits through). Returns when the last byte arrived."""
+        if self.receive_in_process:
+            received = self._receive_elsewhere(specs, bucket_bytes, pending)
+        else:
+            received = self._receive_here(specs, bucket_bytes, pending)
+        with self._cv:
+            self._pending = pending
+            if self._parked:
+                # Nothing is running and the engine thread cannot leave its wait while we hold the lock, so no
+                # step can run: switch here, sparing two thread wake-ups (the engine thread's and ours).
+                self._switch_weights()
+            else:
+                self._cv.notify()
+        while not pending.done.wait(1.0):
+            if not self._thread.is_alive():
+                raise ContractError(500, "engine thread died before switching weights", type="engine_error")
+        return received
+
+    def _receive_elsewhere(self, specs: list[TensorSpec], bucket_bytes: int, pending: _PendingSwitch) -> float:
+        """The receiving process receives the update (and builds its copies, if busy: see `_receive_here`);
+        take where they lie."""
+        received = self._call_receiver("update", specs, bucket_bytes, self._copier is not None and self._busy())
+        receiver = self._receiver
+        self._spare.take_spares(pending.names, {i: receiver.tensor(ref) for i, ref in received.spares.items()})
+        if received.slots:
+            pending.copies = {slot: receiver.tensor(ref) for slot, ref in received.copies.items()}
+            pending.foreign_copies = True
+            pending.stale_copies = received.stale
+            pending.copies_after = [slot for slot in received.slots if slot not in received.copies
+                                    and slot not in received.stale]
+            self.metrics.relayouts += not pending.copies_after
+            self.metrics.relayout_seconds += received.copy_seconds
+        return received.last_byte
+
+    def _busy(self) -> bool:
+        with self._cv:
+            return bool(self._running or self._waiting or self._incoming)
+
+    def _receive_here(self, specs: list[TensorSpec], bucket_bytes: int, pending: _PendingSwitch) -> float:
         self._cpus.pin_transfer()  # a pool thread: pinned again each time, it costs one system call
+        group = self._group
         plan = self._spare.staging(specs, bucket_bytes, group.device)
         copies = None
         if self._copier is not None:
             # Copies before the switch only where it matters: with sequences decoding. With none, the switch
             # should not wait (the trainer waits for it), nor the transfer share the CPUs with copying.
-            with self._cv:
-                busy = bool(self._running or self._waiting or self._incoming)
-            copies = _Copies(self.runner, self._spare.incoming(pending.names), eager=busy)
+            copies = UpdateCopies(self.runner, self._spare.incoming(pending.names), eager=self._busy())
 
         received = time.perf_counter()
 
@@ -498,18 +521,38 @@ class EmbeddedEngine:
             m = self.metrics
             m.relayouts += not pending.copies_after
             m.relayout_seconds += copies.seconds
-        with self._cv:
-            self._pending = pending
-            if self._parked:
-                # Nothing is running and the engine thread cannot leave its wait while we hold the lock, so no
-                # step can run: switch here, sparing two thread wake-ups (the engine thread's and ours).
-                self._switch_weights()
-            else:
-                self._cv.notify()
-        while not pending.done.wait(1.0):
-            if not self._thread.is_alive():
-                raise ContractError(500, "engine thread died before switching weights", type="engine_error")
         return received
+
+    def _call_receiver(self, command: str, *args):
+        """Run a command in the receiving process, starting it first if need be. One that died is replaced
+        (and counted); the group it was in is gone with it."""
+        if self._receiver is None:
+            self._receiver = Receiver(self._receiver_setup())
+        try:
+            return self._receiver.call(command, *args)
+        except ReceiverDied as e:
+            log.error("%s; starting another", e)
+            self._receiver = Receiver(self._receiver_setup())
+            self.metrics.receiver_restarts += 1
+            self._group_name = None
+            raise ContractError(500, f"{e}; another was started: join a weight-update group again with "
+                                     "/v1/weights/init_group", type="engine_error") from None
+        except RuntimeError as e:
+            if isinstance(e, WeightSyncError):
+                raise
+            raise ContractError(500, str(e), type="engine_error") from None
+
+    def _receiver_setup(self) -> Setup:
+        runner = self.runner
+        return Setup(self.params, getattr(runner, "fused_groups", []),
+                     [live for _, _, live in getattr(runner, "relayout_slots", [])],
+                     sorted(self._cpus.transfer) if self._cpus.enabled else None)
+
+    def _share_weights(self) -> None:
+        """Move every weight into shared memory, for the receiving process to write the next ones beside it.
+        Before decoding starts: moving memory that a step reads would pull it from under the step."""
+        for t in [*self.params.values(), *(buffer for buffer, _ in getattr(self.runner, "fused_groups", []))]:
+            t.share_memory_()
 
     # --- the engine thread ---------------------------------------------------------------------------------
 
@@ -548,7 +591,7 @@ class EmbeddedEngine:
         self._spare.switch(pending.names)
         self.version = pending.version
         if pending.copies:
-            self.runner.use_copies(pending.copies)
+            self.runner.use_copies(pending.copies, foreign=pending.foreign_copies)
         if pending.stale_copies:  # only a partial update of a fused weight: rebuilt here, in the decode pause
             self.runner.use_copies(self.runner.build_copies(self._live(pending.stale_copies)))
         if pending.copies_after:  # the live weights until their copies are built (and still current)

@@ -322,6 +322,8 @@ class SlotRunner:
         # (holder, attribute, live weight) of every weight the runner multiplies with a transposed copy
         self.relayout_slots: list[tuple[object, str, torch.Tensor]] = []
         self._retired: dict[int, torch.Tensor] = {}  # copies `use_copies` replaced, by slot: the next ones' memory
+        # ids of copies in use that another process wrote (receiver.py) and may write again: never retired here
+        self._foreign: set[int] = set()
         if kernels is not None:
             if transposed != "auto":
                 kernels.transposed = set(kernels.use_onednn) if transposed == "all" else set()
@@ -396,6 +398,7 @@ class SlotRunner:
         for (holder, attr, _), w in zip(self.relayout_slots, weights):
             setattr(holder, attr, w)
         self._retired.clear()
+        self._foreign.clear()
 
     def build_copies(self, sources: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Transposed copies of `sources` (relayout slot -> the weight that slot will hold), written into the
@@ -412,14 +415,18 @@ class SlotRunner:
         when called): for sources whose values have not arrived yet (`transposed_copier`)."""
         return {slot: transposed_copier(src, out=self._retired.pop(slot, None)) for slot, src in sources.items()}
 
-    def use_copies(self, copies: dict[int, torch.Tensor]) -> None:
+    def use_copies(self, copies: dict[int, torch.Tensor], foreign: bool = False) -> None:
         """Multiply by these (relayout slot -> transposed copy, or the slot's live weight itself) from the next
-        step on; the copies they replace are kept for `build_copies` to write the next ones into. Between
-        steps only."""
+        step on; the copies they replace are kept for `build_copies` to write the next ones into, except
+        `foreign` ones: copies another process made, in memory it will write again. Between steps only."""
         for slot, copy in copies.items():
             holder, attr, live = self.relayout_slots[slot]
-            if getattr(holder, attr) is not live:  # a copy, not the live weight itself (`use_copies(live)`)
-                self._retired[slot] = getattr(holder, attr)
+            old = getattr(holder, attr)
+            if old is not live and id(old) not in self._foreign:  # a copy of ours, not the live weight
+                self._retired[slot] = old
+            self._foreign.discard(id(old))
+            if foreign:
+                self._foreign.add(id(copy))
             setattr(holder, attr, copy)
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,12 @@ arena into its spare as each bucket arrives, overlapped with the rest of the tra
 layout take turns, so steady-state updates allocate nothing: the one being received into is never one the
 live weights point into. A new layout (another bucket size or parameter list) gets new arenas; the old ones
 are freed once no weight points into them.
+
+The same bookkeeping serves an engine that receives in a process of its own (`receiver.py`): there every
+allocation is in shared memory (`shared=True`), the receiving process runs `staging` and tells the engine where
+each storage's spare lies (`spares_of`), the engine takes those spares (`take_spares`) and switches, and the
+receiving process mirrors the switch without copying a byte (`switch(copy_members=False)`), so that both
+agree on which memory is live.
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ class _Storage:
     of (the runner's fused q/k/v and gate/up). The spare is a clone made at the first update that needs one,
     so rows no member covers stay right."""
 
-    def __init__(self, live: torch.Tensor, members: list[Member]):
-        self.live, self.members = live, members
+    def __init__(self, live: torch.Tensor, members: list[Member], shared: bool = False):
+        self.live, self.members, self.shared = live, members, shared
         self.current = live.detach()  # what `live` holds now; the next spare after a swap
         self.spare: torch.Tensor | None = None
         self._rows: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # (of spare, rows)
@@ -44,6 +50,8 @@ class _Storage:
     def spare_view(self, member: int) -> torch.Tensor:
         if self.spare is None:
             self.spare = self.live.detach().clone()
+            if self.shared:
+                self.spare.share_memory_()
         _, start, end = self.members[member]
         return self.spare if start is None else self.spare[start:end]
 
@@ -139,18 +147,22 @@ class SpareWeights:
     the previous one live is done (the engine holds its update lock until then), and an arena is received
     into only when no live weight points into it."""
 
-    def __init__(self, params: dict[str, torch.Tensor], fused_groups: list) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], fused_groups: list, shared: bool = False) -> None:
+        """`shared`: allocate spares and arenas in shared memory, for a receiving process (`receiver.py`)."""
+        self._shared = shared
         where: dict[int, tuple[_Storage, int]] = {}
         for buffer, members in fused_groups:
-            storage = _Storage(buffer, list(members))
+            storage = _Storage(buffer, list(members), shared)
             for i, (param, _, _) in enumerate(members):
                 where[id(param)] = (storage, i)
         self._where: dict[str, tuple[_Storage, int]] = {}
         for name, param in params.items():  # tied parameters share one entry
             if id(param) not in where:
-                where[id(param)] = (_Storage(param, [(param, None, None)]), 0)
+                where[id(param)] = (_Storage(param, [(param, None, None)], shared), 0)
             self._where[name] = where[id(param)]
+        # Built in the same order from the same parameters, two processes number the storages alike
         self._storages = list({id(s): s for s, _ in self._where.values()}.values())
+        self._index = {id(s): i for i, s in enumerate(self._storages)}
         self._arena_layout: tuple | None = None
         self._arenas: list[_Arena] = []
         self._switch_key: tuple[str, ...] | None = None
@@ -187,7 +199,11 @@ class SpareWeights:
 
     def _new_arena(self, specs: Sequence[TensorSpec], bucket_bytes: int, device: torch.device) -> _Arena:
         """Allocate an arena and work out, once, which storages can be pieces of it."""
-        arena = _Arena(wire_buffers(specs, bucket_bytes, device))
+        targets = wire_buffers(specs, bucket_bytes, device)
+        if self._shared:
+            for t in targets:  # before anything notes where they lie: sharing moves the memory
+                t.share_memory_()
+        arena = _Arena(targets)
         received: dict[int, tuple[_Storage, dict[int, int]]] = {}  # storage -> {member: spec index}
         for i, spec in enumerate(specs):
             storage, member = self._where[spec.name]
@@ -204,14 +220,29 @@ class SpareWeights:
                 (arena.direct if i in alone else arena.copied).append((storage, m, i))
         return arena
 
-    def switch(self, names: list[str]) -> None:
-        """Make the received tensors of `names` live. Call between decode steps only."""
+    def switch(self, names: list[str], copy_members: bool = True) -> None:
+        """Make the received tensors of `names` live. Call between decode steps only. Without `copy_members`
+        (a receiving process mirroring the engine's switch), rows of a fused buffer that the update covers only
+        in part are left for the engine to copy: only the bookkeeping of what is live changes."""
         for storage, whole, members in self._switch_plan(names):
             if whole:
                 storage.swap()
-            else:
+            elif copy_members:
                 for member in members:
                     storage.copy_member(member)
+
+    def spares_of(self, names: list[str]) -> list[tuple[int, torch.Tensor]]:
+        """(storage number, its spare) of every storage that `switch(names)` changes: once a staging for these
+        names is received, where each holds the new values (a receiving process tells the engine this)."""
+        return [(self._index[id(storage)], storage.spare) for storage, _, _ in self._switch_plan(names)]
+
+    def take_spares(self, names: list[str], spares: dict[int, torch.Tensor]) -> None:
+        """Take the spares that another process received `names` into (its `spares_of`), so that
+        `switch(names)` makes them live, and prepare the switch."""
+        for storage, whole, _ in self._switch_plan(names):
+            storage.spare = spares[self._index[id(storage)]]
+            if whole:
+                storage.prepare_swap()
 
     def incoming(self, names: list[str]) -> dict[int, tuple[torch.Tensor | None, list[int]]]:
         """What `switch(names)` will do to each weight it changes, keyed by id() of the live tensor (a

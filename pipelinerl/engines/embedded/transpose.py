@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -80,3 +81,54 @@ def _mkl_omatcopy(dtype: torch.dtype):
     # ordering, trans, rows, cols, alpha, A, lda, B, ldb
     fn.argtypes = [ctypes.c_char, ctypes.c_char, size, size, scalar, ctypes.c_void_p, size, ctypes.c_void_p, size]
     return fn
+
+
+class UpdateCopies:
+    """Transposed copies of one update's received weights for the runner's relayout slots (model_runner.py:
+    where it multiplies by such copies), built before the switch while decoding goes on with the old weights
+    and copies. Built after the switch instead, decoding would run on stale copies (wrong) or on the live
+    weights (slower) until they were ready. `received` copies each weight as soon as its last piece has
+    arrived, on the receiving thread while the next pieces are in flight (on the process group's own thread):
+    a thread of its own would contend with decoding for the GIL at every hand-over. `slots`: every slot the
+    update changes; of them, `stale` are changed in place at the switch (a partial update of a fused buffer),
+    so their copies can only be built after it. Not `eager`: nothing is built before the switch. `runner`: the
+    SlotRunner, or what stands for it in a receiving process (receiver.py's CopyBook): `relayout_slots` and
+    `copy_plans` are all that is read."""
+
+    def __init__(self, runner, incoming: dict[int, tuple[torch.Tensor | None, list[int]]], eager: bool):
+        self.eager = eager
+        self.slots: list[int] = []
+        self.stale: list[int] = []
+        self.copies: dict[int, torch.Tensor] = {}
+        self.seconds = 0.0
+        self._source: dict[int, torch.Tensor] = {}  # slot -> the received tensor it will hold
+        self._missing: dict[int, set[int]] = {}  # slot -> indices of its pieces not yet received
+        self._slots_of: dict[int, list[int]] = {}  # piece index -> slots
+        for slot, (_, _, live) in enumerate(runner.relayout_slots):
+            source, pieces = incoming.get(id(live), (None, []))
+            if not pieces:
+                continue  # not in this update: the slot keeps its copy
+            self.slots.append(slot)
+            if source is None:
+                self.stale.append(slot)
+                continue
+            self._source[slot], self._missing[slot] = source, set(pieces)
+            for i in pieces:
+                self._slots_of.setdefault(i, []).append(slot)
+        # the copies' memory and their copying worked out now, so that each copy then is one call
+        self._plans = runner.copy_plans(self._source) if eager else {}
+
+    def received(self, indices: list[int]) -> None:
+        """Pieces `indices` of the update have arrived: copy the weights now complete (if eager)."""
+        if not self.eager:
+            return
+        for i in indices:
+            for slot in self._slots_of.get(i, ()):
+                missing = self._missing[slot]
+                missing.discard(i)
+                if not missing:
+                    t0 = time.perf_counter()
+                    copy, fill = self._plans[slot]
+                    fill()
+                    self.copies[slot] = copy
+                    self.seconds += time.perf_counter() - t0

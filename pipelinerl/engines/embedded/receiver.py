@@ -1,0 +1,285 @@
+"""Receiving weight updates in a process of its own, beside a CPU engine's decoding.
+
+Why: received on a thread of the engine's process, an update's Python (planning where each tensor lands,
+starting each broadcast, copying and transposing each bucket as it arrives) takes the GIL that the decoding
+thread needs between its torch calls. On 2 CPUs the decoding thread got 0.96 of its core while updates
+arrived back to back (`python -m bench --only engine_updates`); a process that only received the same bytes
+on the same core cost decoding nothing measurable. So on CPU the engine's weights live in shared memory and
+this process does everything an update needs except the switch:
+
+- it holds the spare side (`SpareWeights` over its own views of the same memory, every allocation shared) and
+  the rotation of the runner's transposed copies (`CopyBook`);
+- it joins the weight-update group, receives each update into spare memory and builds the transposed copies
+  of the new weights as they arrive;
+- it answers with where the new weights lie (`Received`: storages by number, memory by `Ref`); the engine
+  points its weights there at its next step boundary (`SpareWeights.take_spares`, then its usual `switch`);
+- it then mirrors that switch in its own bookkeeping (no byte copied), so both agree on which memory is live,
+  and it never writes memory the engine is reading: the next update starts only after the engine switched.
+
+The engine talks to it through `Receiver` (one call at a time, over a pipe; shared tensors travel as file
+descriptors, each storage once). A receiver that dies is replaced and counted by the engine; the group it was
+in is lost with it, so the trainer must ask the engine to join again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.multiprocessing as mp
+
+from pipelinerl.engines.embedded.spare_weights import SpareWeights
+from pipelinerl.engines.embedded.transpose import UpdateCopies, transposed_copier
+from pipelinerl.weight_sync import (
+    TensorSpec,
+    WeightSyncError,
+    WeightUpdateGroup,
+    init_weight_update_group,
+    receive_tensors,
+)
+
+log = logging.getLogger(__name__)
+# How often a caller waiting for an answer checks that the process is still alive.
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A tensor in shared memory, by the number of its storage (`Received.new`) and its place in it."""
+
+    key: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Received:
+    """The answer to an update: when its last byte arrived (`time.perf_counter`, which is system-wide), where
+    each storage it changes now holds the new values (storage number -> Ref); the relayout slots whose weights
+    it changes, the transposed copies built of them (slot -> Ref: all but `stale` when asked to, none
+    otherwise), `stale`: those it changes in place so that no copy can be built before the switch (a fused
+    weight updated in part); the seconds spent copying; the storages the engine has not been sent yet."""
+
+    last_byte: float
+    spares: dict[int, Ref]
+    slots: list[int]
+    copies: dict[int, Ref]
+    stale: list[int]
+    copy_seconds: float
+    new: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Setup:
+    """What the process starts from: the engine's parameters (name -> tensor, tied names included), its fused
+    buffers (`SlotRunner.fused_groups`) and the live weight of each relayout slot, all in shared memory and
+    sent in one message, so that a parameter that is a view of a fused buffer stays one there too."""
+
+    params: dict[str, torch.Tensor]
+    fused_groups: list
+    slot_weights: list[torch.Tensor]
+    cpus: list[int] | None = None
+
+
+class ReceiverDied(RuntimeError):
+    """The receiving process exited; the engine replaces it."""
+
+
+class CopyBook:
+    """The receiving process's side of the runner's transposed copies (model_runner.py): the live weight of
+    each relayout slot, and the copies to write the next ones into. A copy the engine takes into use retires the
+    one before it; this process writes only into retired copies (or new memory), never into the copy in use.
+    Which the engine uses is known here from the copies it was sent: the engine may also multiply by the live
+    weight itself, or by a copy of its own (a fused weight updated in part), which this process never writes."""
+
+    def __init__(self, slot_weights: list[torch.Tensor]):
+        self.relayout_slots = [(None, "", w) for w in slot_weights]  # the shape UpdateCopies reads
+        self._current: dict[int, torch.Tensor] = {}
+        self._retired: dict[int, torch.Tensor] = {}
+
+    def copy_plans(self, sources: dict[int, torch.Tensor]) -> dict[int, tuple[torch.Tensor, object]]:
+        plans = {}
+        for slot, src in sources.items():
+            out = self._retired.pop(slot, None)
+            if out is None:
+                out = torch.empty(src.shape[::-1], dtype=src.dtype).share_memory_().t()
+            plans[slot] = transposed_copier(src, out=out)
+        return plans
+
+    def use(self, copies: dict[int, torch.Tensor]) -> None:
+        for slot, copy in copies.items():
+            if slot in self._current:
+                self._retired[slot] = self._current[slot]
+            self._current[slot] = copy
+
+
+class _Names:
+    """Numbers for the storages this process refers the engine to; each storage is sent once (`take_new`).
+    Every storage named is kept, so that no other can take its address and be mistaken for it: a few per
+    update layout (its arenas, the spares), which a run changes rarely if ever."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, int] = {}  # storage address here -> key
+        self._kept: list[torch.Tensor] = []
+        self._new: dict[int, torch.Tensor] = {}
+
+    def ref(self, t: torch.Tensor) -> Ref:
+        storage = t.untyped_storage()
+        key = self._keys.get(storage.data_ptr())
+        if key is None:
+            if not storage.is_shared():
+                raise RuntimeError("a tensor the engine must see is not in shared memory")
+            key = self._keys[storage.data_ptr()] = len(self._kept)
+            self._kept.append(torch.empty(0, dtype=torch.uint8).set_(storage))
+            self._new[key] = self._kept[-1]
+        return Ref(key, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def take_new(self) -> dict[int, torch.Tensor]:
+        new, self._new = self._new, {}
+        return new
+
+
+class _Process:
+    """The receiving process's state and commands (run by `_main`)."""
+
+    def __init__(self, setup: Setup):
+        self.spare = SpareWeights(setup.params, setup.fused_groups, shared=True)
+        self.book = CopyBook(setup.slot_weights)
+        self.names = _Names()
+        self.group: WeightUpdateGroup | None = None
+
+    def join(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
+             group_name: str, timeout_s: float) -> None:
+        self.leave()
+        self.group = init_weight_update_group(master_address, master_port, rank, world_size, backend, group_name,
+                                              timeout_s)
+
+    def leave(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
+    def drain(self, specs: list[TensorSpec], bucket_bytes: int) -> None:
+        """Take part in an update the engine refused, writing nothing that the engine reads."""
+        receive_tensors(self._group(), specs, bucket_bytes)
+
+    def update(self, specs: list[TensorSpec], bucket_bytes: int, build_copies: bool) -> Received:
+        """Receive an update (checked by the engine) into spare memory, with the transposed copies of its
+        weights if `build_copies` (the engine is decoding: see `_receive_here` in engine.py)."""
+        group = self._group()
+        names = [s.name for s in specs]
+        plan = self.spare.staging(specs, bucket_bytes, group.device)
+        copies = UpdateCopies(self.book, self.spare.incoming(names), eager=build_copies)
+        last_byte = time.perf_counter()
+
+        def after_bucket(indices: list[int]) -> None:
+            nonlocal last_byte
+            last_byte = time.perf_counter()
+            plan.after_bucket(indices)
+            copies.received(indices)
+
+        receive_tensors(group, specs, bucket_bytes, plan.targets, on_bucket=after_bucket)
+        ref = self.names.ref
+        received = Received(last_byte, {i: ref(t) for i, t in self.spare.spares_of(names)}, list(copies.slots),
+                            {slot: ref(c) for slot, c in copies.copies.items()}, list(copies.stale), copies.seconds)
+        received.new = self.names.take_new()
+        # The engine switches to these before it sends the next update: mirror it now
+        self.spare.switch(names, copy_members=False)
+        self.book.use(copies.copies)
+        return received
+
+    def _group(self) -> WeightUpdateGroup:
+        if self.group is None:
+            raise WeightSyncError("the receiving process is in no weight-update group")
+        return self.group
+
+
+def _main(conn, setup: Setup) -> None:
+    """The receiving process: answer each command (method name, arguments) with ("ok", result) or
+    ("sync_error" | "error", message) until told to stop."""
+    if setup.cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, setup.cpus)
+    torch.set_num_threads(1)
+    state = _Process(setup)
+    del setup
+    try:
+        while True:
+            command, args = conn.recv()
+            if command == "stop":
+                return
+            try:
+                conn.send(("ok", getattr(state, command)(*args)))
+            except WeightSyncError as e:
+                conn.send(("sync_error", str(e)))
+            except Exception as e:  # report, keep serving: the engine decides what to do
+                log.exception("weight receiver: %s failed", command)
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+    except (EOFError, KeyboardInterrupt):  # the engine went away
+        return
+    finally:
+        state.leave()
+
+
+class Receiver:
+    """The engine's handle on its receiving process: start it, call its commands (one at a time), stop it.
+    Storages it refers to are kept here by number; `tensor(ref)` is the engine's view of one."""
+
+    def __init__(self, setup: Setup):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_main, args=(child, setup), name="weight-receiver", daemon=True)
+        self.process.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._storages: dict[int, torch.Tensor] = {}
+        self._views: dict[Ref, torch.Tensor] = {}
+
+    def call(self, command: str, *args):
+        """Run `command` there and return its result. Raises WeightSyncError for a failed transfer,
+        ReceiverDied when the process exited, RuntimeError for anything else it reports."""
+        with self._lock:
+            try:
+                self._conn.send((command, args))
+                while not self._conn.poll(POLL_S):
+                    if not self.process.is_alive():
+                        raise ReceiverDied(self._died())
+                status, result = self._conn.recv()
+            except (EOFError, BrokenPipeError, ConnectionResetError):
+                self.process.join(timeout=5)
+                raise ReceiverDied(self._died()) from None
+        if status == "sync_error":
+            raise WeightSyncError(result)
+        if status == "error":
+            raise RuntimeError(f"weight receiver: {result}")
+        if isinstance(result, Received):
+            self._storages.update(result.new)
+            result.new = {}
+        return result
+
+    def tensor(self, ref: Ref) -> torch.Tensor:
+        view = self._views.get(ref)
+        if view is None:
+            view = self._views[ref] = torch.empty(0, dtype=ref.dtype).set_(
+                self._storages[ref.key].untyped_storage(), ref.offset, ref.shape, ref.stride)
+        return view
+
+    def _died(self) -> str:
+        return f"the weight-receiving process exited (exit code {self.process.exitcode})"
+
+    def close(self) -> None:
+        try:
+            with self._lock:
+                self._conn.send(("stop", ()))
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self._conn.close()
