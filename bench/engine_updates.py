@@ -60,6 +60,9 @@ SPLIT_CPUS = True
 # The engine's `--transposed-weights` (its default: auto). "none" measures the engine without transposed copies
 # of the weights, which an update makes stale until they are rebuilt.
 TRANSPOSED_WEIGHTS = "auto"
+# The engine's `--update-receiver` (its default: auto, a process of its own on CPU). "thread" measures receiving
+# on a thread of the engine's process, which shares the GIL with decoding.
+UPDATE_RECEIVER = "auto"
 
 
 def cpu_split() -> tuple[list[int], list[int]] | None:
@@ -378,7 +381,7 @@ def _result(model: dict, windows: list[dict], final: dict, trainer: Trainer, err
                      "concurrent_requests": CONCURRENT, "prompt_len": PROMPT_LEN,
                      "max_new_tokens": [MAX_NEW // 2, MAX_NEW * 3 // 2],
                      "sampling": "temperature 1.0, EOS ignored", "bucket_bytes": BUCKET_BYTES,
-                     "transposed_weights": TRANSPOSED_WEIGHTS,
+                     "transposed_weights": TRANSPOSED_WEIGHTS, "update_receiver": UPDATE_RECEIVER,
                      "backend": "gloo (loopback)", "window_s": window_s, "windows_with_updates": rounds,
                      "decode_cpus": split[0] if split else "all",
                      "trainer_and_receive_cpus": split[1] if split else "all",
@@ -412,7 +415,7 @@ def _start_engine(path: Path, log_dir: Path, split: tuple[list[int], list[int]] 
     port = free_port()
     log = log_dir / f"engine-{port}.log"
     longest = MAX_NEW * 3 // 2
-    extra = ["--transposed-weights", TRANSPOSED_WEIGHTS,
+    extra = ["--transposed-weights", TRANSPOSED_WEIGHTS, "--update-receiver", UPDATE_RECEIVER,
              "--max-running-seqs", str(CONCURRENT), "--max-model-len", str(PROMPT_LEN + longest),
              "--max-batch-tokens", str(CONCURRENT * (PROMPT_LEN + longest)), "--threads", str(THREADS)]
     if split:

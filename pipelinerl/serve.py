@@ -82,7 +82,10 @@ def build_app(args: argparse.Namespace):
     settings = EngineSettings(max_running_seqs=args.max_running_seqs, max_batch_tokens=args.max_batch_tokens,
                               max_model_len=args.max_model_len, initial_version=args.initial_version,
                               transposed_weights=args.transposed_weights, update_receiver=args.update_receiver)
-    engine = EmbeddedEngine(model, args.model, settings, tokenizer, cpus=split)
+    try:
+        engine = EmbeddedEngine(model, args.model, settings, tokenizer, cpus=split)
+    except ValueError as e:  # a setting that cannot work here (the message names it)
+        raise SystemExit(f"cannot start the engine: {e}") from None
     app = create_app(engine, title="pipelinerl embedded engine")
     app.router.on_shutdown.append(engine.shutdown)
     return app

@@ -552,3 +552,14 @@ def test_a_dead_weight_receiver_is_replaced_and_counted(tiny_model_dir, tmp_path
             assert out.token_ids == trainer.greedy_reference(state, PROMPT, 16)
         finally:
             trainer.group.destroy()
+
+
+def test_too_little_shared_memory_is_named_before_it_is_used(tmp_path):
+    """Receiving in a process needs the weights in shared memory; where its directory has too little room, the
+    engine says so (how much it needs, how much there is, what to do) instead of dying of SIGBUS mid-update."""
+    from pipelinerl.engines.embedded.receiver import shared_memory_shortfall
+
+    assert shared_memory_shortfall(1 << 20, str(tmp_path)) is None
+    message = shared_memory_shortfall(1 << 60, str(tmp_path))
+    assert message is not None and str(tmp_path) in message and "--shm-size" in message
+    assert shared_memory_shortfall(1 << 60, str(tmp_path / "absent")) is None

@@ -12,12 +12,14 @@ continue from their KV cache under the new weights and every later token carries
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -42,7 +44,7 @@ from pipelinerl.contracts.inference import (
 )
 from pipelinerl.engines.embedded.cpus import CpuSplit
 from pipelinerl.engines.embedded.model_runner import copy_slot, make_runner
-from pipelinerl.engines.embedded.receiver import Receiver, ReceiverDied, Setup
+from pipelinerl.engines.embedded.receiver import Receiver, ReceiverDied, Setup, shared_memory_shortfall
 from pipelinerl.engines.embedded.sampling import SamplingBatch, sample_batch
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
 from pipelinerl.engines.embedded.transpose import UpdateCopies
@@ -137,6 +139,7 @@ class _PendingSwitch:
     stale_copies: list[int] = field(default_factory=list)
     copies_after: list[int] = field(default_factory=list)
     foreign_copies: bool = False  # `copies` are the receiving process's (see SlotRunner.use_copies)
+    on_done: Callable[[], None] | None = None  # called by the thread that switched
 
 
 class Metrics:
@@ -180,14 +183,7 @@ class EmbeddedEngine:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.version = settings.initial_version
         self.metrics = Metrics()
-        if settings.update_receiver not in UPDATE_RECEIVERS:
-            raise ValueError(f"update_receiver must be one of {', '.join(UPDATE_RECEIVERS)}, "
-                             f"not {settings.update_receiver!r}")
-        device = next(model.parameters()).device
-        if settings.update_receiver == "process" and device.type != "cpu":
-            raise ValueError(f"update_receiver 'process' needs the model on CPU, it is on {device}; use 'thread'")
-        self.receive_in_process = settings.update_receiver == "process" or (
-            settings.update_receiver == "auto" and device.type == "cpu")
+        self.receive_in_process = _receive_in_process(settings.update_receiver, model)
         self._group: WeightUpdateGroup | None = None  # receiving on a thread
         self._receiver: Receiver | None = None  # receiving in a process: started when asked to join a group
         self._group_name: str | None = None
@@ -301,7 +297,7 @@ class EmbeddedEngine:
                     req.group_name, req.timeout_s)
             try:
                 if self.receive_in_process:
-                    await asyncio.to_thread(self._call_receiver, "join", *args)
+                    await self._call_receiver("join", *args)
                 else:
                     self._group = await asyncio.to_thread(init_weight_update_group, *args)
             except WeightSyncError as e:
@@ -321,7 +317,7 @@ class EmbeddedEngine:
                 # nothing into the model.
                 try:
                     if self.receive_in_process:
-                        await asyncio.to_thread(self._call_receiver, "drain", specs, req.bucket_bytes)
+                        await self._call_receiver("drain", specs, req.bucket_bytes)
                     else:
                         await asyncio.to_thread(receive_tensors, self._group, specs, req.bucket_bytes)
                 except WeightSyncError as e:
@@ -330,7 +326,10 @@ class EmbeddedEngine:
                 raise ContractError(400, problem[1], problem[0], "mismatched_update")
             pending = _PendingSwitch(req.version, [s.name for s in specs])
             try:
-                received = await asyncio.to_thread(self._receive_and_switch, specs, req.bucket_bytes, pending)
+                if self.receive_in_process:
+                    received = await self._receive_elsewhere_and_switch(specs, req.bucket_bytes, pending)
+                else:
+                    received = await asyncio.to_thread(self._receive_and_switch, specs, req.bucket_bytes, pending)
             except WeightSyncError as e:
                 raise ContractError(504, str(e), type="weight_sync_error") from None
             receive_s = received - t0
@@ -452,31 +451,23 @@ class EmbeddedEngine:
         return None
 
     def _receive_and_switch(self, specs: list[TensorSpec], bucket_bytes: int, pending: _PendingSwitch) -> float:
-        """On a worker thread: receive a checked update into the spare weights while decoding goes on (here, or
-        in the receiving process), with the runner's transposed copies of them, then have the engine thread
-        switch at its next step boundary (or switch here if it is idle), and wait for that here (not in another
-        thread hop: every hop is latency the trainer waits through). Returns when the last byte arrived."""
-        if self.receive_in_process:
-            received = self._receive_elsewhere(specs, bucket_bytes, pending)
-        else:
-            received = self._receive_here(specs, bucket_bytes, pending)
-        with self._cv:
-            self._pending = pending
-            if self._parked:
-                # Nothing is running and the engine thread cannot leave its wait while we hold the lock, so no
-                # step can run: switch here, sparing two thread wake-ups (the engine thread's and ours).
-                self._switch_weights()
-            else:
-                self._cv.notify()
+        """On a worker thread: receive a checked update into the spare weights while decoding goes on, with the
+        runner's transposed copies of them, then have the engine thread switch at its next step boundary (or
+        switch here if it is idle), and wait for that here (not in another thread hop: every hop is latency the
+        trainer waits through). Returns when the last byte arrived."""
+        received = self._receive_here(specs, bucket_bytes, pending)
+        self._hand_over(pending)
         while not pending.done.wait(1.0):
-            if not self._thread.is_alive():
-                raise ContractError(500, "engine thread died before switching weights", type="engine_error")
+            self._check_engine_thread()
         return received
 
-    def _receive_elsewhere(self, specs: list[TensorSpec], bucket_bytes: int, pending: _PendingSwitch) -> float:
-        """The receiving process receives the update (and builds its copies, if busy: see `_receive_here`);
-        take where they lie."""
-        received = self._call_receiver("update", specs, bucket_bytes, self._copier is not None and self._busy())
+    async def _receive_elsewhere_and_switch(self, specs: list[TensorSpec], bucket_bytes: int,
+                                            pending: _PendingSwitch) -> float:
+        """`_receive_and_switch` with the receiving process doing the receiving (and the copies, if busy: see
+        `_receive_here`), all awaited on the event loop: no thread of this process wakes up but this one and the
+        engine thread, which tells this one when it has switched."""
+        received = await self._call_receiver("update", specs, bucket_bytes,
+                                             self._copier is not None and self._busy())
         receiver = self._receiver
         self._spare.take_spares(pending.names, {i: receiver.tensor(ref) for i, ref in received.spares.items()})
         if received.slots:
@@ -487,7 +478,29 @@ class EmbeddedEngine:
                                     and slot not in received.stale]
             self.metrics.relayouts += not pending.copies_after
             self.metrics.relayout_seconds += received.copy_seconds
+        loop = asyncio.get_running_loop()
+        switched = loop.create_future()
+        pending.on_done = functools.partial(loop.call_soon_threadsafe, _resolve, switched, None)
+        self._hand_over(pending)
+        while not switched.done():
+            await asyncio.wait([switched], timeout=1.0)
+            self._check_engine_thread()
         return received.last_byte
+
+    def _hand_over(self, pending: _PendingSwitch) -> None:
+        """Have the engine thread switch to the received weights at its next step boundary."""
+        with self._cv:
+            self._pending = pending
+            if self._parked:
+                # Nothing is running and the engine thread cannot leave its wait while we hold the lock, so no
+                # step can run: switch here, sparing two thread wake-ups (the engine thread's and ours).
+                self._switch_weights()
+            else:
+                self._cv.notify()
+
+    def _check_engine_thread(self) -> None:
+        if not self._thread.is_alive():
+            raise ContractError(500, "engine thread died before switching weights", type="engine_error")
 
     def _busy(self) -> bool:
         with self._cv:
@@ -523,23 +536,23 @@ class EmbeddedEngine:
             m.relayout_seconds += copies.seconds
         return received
 
-    def _call_receiver(self, command: str, *args):
+    async def _call_receiver(self, command: str, *args):
         """Run a command in the receiving process, starting it first if need be. One that died is replaced
         (and counted); the group it was in is gone with it."""
         if self._receiver is None:
-            self._receiver = Receiver(self._receiver_setup())
+            self._receiver = await asyncio.to_thread(Receiver, self._receiver_setup())
         try:
-            return self._receiver.call(command, *args)
+            return await self._receiver.call(command, *args)
         except ReceiverDied as e:
             log.error("%s; starting another", e)
-            self._receiver = Receiver(self._receiver_setup())
+            self._receiver = await asyncio.to_thread(Receiver, self._receiver_setup())
             self.metrics.receiver_restarts += 1
             self._group_name = None
             raise ContractError(500, f"{e}; another was started: join a weight-update group again with "
                                      "/v1/weights/init_group", type="engine_error") from None
-        except RuntimeError as e:
-            if isinstance(e, WeightSyncError):
-                raise
+        except WeightSyncError:
+            raise
+        except RuntimeError as e:  # reported by the process, which goes on serving
             raise ContractError(500, str(e), type="engine_error") from None
 
     def _receiver_setup(self) -> Setup:
@@ -606,6 +619,8 @@ class EmbeddedEngine:
         with self._cv:
             self._pending = None
         pending.done.set()
+        if pending.on_done is not None:
+            pending.on_done()
 
     def _live(self, slots: list[int]) -> dict[int, torch.Tensor]:
         return {slot: self.runner.relayout_slots[slot][2] for slot in slots}
@@ -776,6 +791,23 @@ class EmbeddedEngine:
         for r in reqs:
             err = ContractError(500, f"engine step failed: {type(error).__name__}: {error}", type="engine_error")
             r.loop.call_soon_threadsafe(_reject, r.future, err)
+
+
+def _receive_in_process(choice: str, model: torch.nn.Module) -> bool:
+    """Whether updates are received by a process of their own (EngineSettings.update_receiver)."""
+    if choice not in UPDATE_RECEIVERS:
+        raise ValueError(f"update_receiver must be one of {', '.join(UPDATE_RECEIVERS)}, not {choice!r}")
+    device = next(model.parameters()).device
+    if choice == "thread" or (choice == "auto" and device.type != "cpu"):
+        return False
+    if device.type != "cpu":
+        raise ValueError(f"update_receiver 'process' needs the model on CPU, it is on {device}; use 'thread'")
+    shortfall = shared_memory_shortfall(sum(p.numel() * p.element_size() for p in model.parameters()))
+    if shortfall and choice == "process":
+        raise ValueError(f"update_receiver 'process': {shortfall}; or use 'thread'")
+    if shortfall:
+        log.warning("%s; receiving updates on a thread of the server instead", shortfall)
+    return not shortfall
 
 
 def tensor_checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:

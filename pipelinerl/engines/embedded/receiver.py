@@ -16,16 +16,16 @@ this process does everything an update needs except the switch:
 - it then mirrors that switch in its own bookkeeping (no byte copied), so both agree on which memory is live,
   and it never writes memory the engine is reading: the next update starts only after the engine switched.
 
-The engine talks to it through `Receiver` (one call at a time, over a pipe; shared tensors travel as file
-descriptors, each storage once). A receiver that dies is replaced and counted by the engine; the group it was
-in is lost with it, so the trainer must ask the engine to join again.
+The engine talks to it through `Receiver` (one call at a time, over a pipe, awaited on the server's event
+loop; shared tensors travel as file descriptors, each storage once). A receiver that dies is replaced and
+counted by the engine; the group it was in is lost with it, so the trainer must ask the engine to join again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -43,8 +43,26 @@ from pipelinerl.weight_sync import (
 )
 
 log = logging.getLogger(__name__)
-# How often a caller waiting for an answer checks that the process is still alive.
-POLL_S = 1.0
+# Shared memory needed, in multiples of the weights' bytes: the live weights, two arenas of a bucketed update,
+# spares of the weights no arena can hold in place, the transposed copies being built.
+SHARED_MEMORY_FACTOR = 5
+SHARED_MEMORY_DIR = "/dev/shm"
+
+
+def shared_memory_shortfall(weight_bytes: int, directory: str = SHARED_MEMORY_DIR) -> str | None:
+    """Why receiving in a process cannot be used here (too little shared memory for weights of `weight_bytes`),
+    or None. Shared tensors live in `directory` (a tmpfs); running out of it mid-update would kill the process
+    that touches the missing page (SIGBUS), so it is checked up front. Docker gives containers 64 MB unless
+    started with --shm-size."""
+    if not os.path.isdir(directory):
+        return None  # not Linux's layout: nothing to check against
+    stats = os.statvfs(directory)
+    free, need = stats.f_bavail * stats.f_frsize, SHARED_MEMORY_FACTOR * weight_bytes
+    if free >= need:
+        return None
+    return (f"receiving updates in a process keeps the weights in shared memory: it needs about "
+            f"{need / 2**20:.0f} MiB of {directory}, which has {free / 2**20:.0f} MiB free (in Docker, start the "
+            "container with a larger --shm-size)")
 
 
 @dataclass(frozen=True)
@@ -236,23 +254,26 @@ class Receiver:
         self.process = ctx.Process(target=_main, args=(child, setup), name="weight-receiver", daemon=True)
         self.process.start()
         child.close()
-        self._lock = threading.Lock()
+        self._calling = False
         self._storages: dict[int, torch.Tensor] = {}
         self._views: dict[Ref, torch.Tensor] = {}
 
-    def call(self, command: str, *args):
-        """Run `command` there and return its result. Raises WeightSyncError for a failed transfer,
-        ReceiverDied when the process exited, RuntimeError for anything else it reports."""
-        with self._lock:
-            try:
-                self._conn.send((command, args))
-                while not self._conn.poll(POLL_S):
-                    if not self.process.is_alive():
-                        raise ReceiverDied(self._died())
-                status, result = self._conn.recv()
-            except (EOFError, BrokenPipeError, ConnectionResetError):
-                self.process.join(timeout=5)
-                raise ReceiverDied(self._died()) from None
+    async def call(self, command: str, *args):
+        """Run `command` there and return its result. The answer is awaited on the event loop, not on a thread of
+        its own: every thread that wakes up in the engine's process takes the GIL from decoding once more.
+        Raises WeightSyncError for a failed transfer, ReceiverDied when the process exited, RuntimeError for
+        anything else it reports. One call at a time (the engine's update lock)."""
+        assert not self._calling, "one call at a time"
+        self._calling = True
+        try:
+            self._conn.send((command, args))
+            await self._readable()
+            status, result = self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            self.process.join(timeout=5)
+            raise ReceiverDied(self._died()) from None
+        finally:
+            self._calling = False
         if status == "sync_error":
             raise WeightSyncError(result)
         if status == "error":
@@ -269,17 +290,39 @@ class Receiver:
                 self._storages[ref.key].untyped_storage(), ref.offset, ref.shape, ref.stride)
         return view
 
+    async def _readable(self) -> None:
+        """Until the answer is there, or the process has exited (its sentinel becomes readable)."""
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        fds = (self._conn.fileno(), self.process.sentinel)
+        for fd in fds:
+            loop.add_reader(fd, _resolve, ready)
+        try:
+            await ready
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+        if not self._conn.poll():
+            self.process.join(timeout=5)
+            raise ReceiverDied(self._died())
+
     def _died(self) -> str:
         return f"the weight-receiving process exited (exit code {self.process.exitcode})"
 
     def close(self) -> None:
-        try:
-            with self._lock:
+        """Stop the process: asked to, or killed when it is busy in a transfer (which may wait long on a peer)."""
+        if not self._calling:
+            try:
                 self._conn.send(("stop", ()))
-        except (OSError, ValueError):
-            pass
-        self.process.join(timeout=10)
+            except (OSError, ValueError):
+                pass
+            self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)
         self._conn.close()
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
