@@ -468,14 +468,14 @@ class EmbeddedEngine:
         engine thread, which tells this one when it has switched."""
         received = await self._call_receiver("update", specs, bucket_bytes,
                                              self._copier is not None and self._busy())
-        receiver = self._receiver
-        self._spare.take_spares(pending.names, {i: receiver.tensor(ref) for i, ref in received.spares.items()})
+        spares, copies = self._receiver.tensors(received)
+        self._spare.take_spares(pending.names, spares)
         if received.slots:
-            pending.copies = {slot: receiver.tensor(ref) for slot, ref in received.copies.items()}
+            pending.copies = copies
             pending.foreign_copies = True
             pending.stale_copies = received.stale
-            pending.copies_after = [slot for slot in received.slots if slot not in received.copies
-                                    and slot not in received.stale]
+            pending.copies_after = [slot for slot in received.slots
+                                    if slot not in copies and slot not in received.stale]
             self.metrics.relayouts += not pending.copies_after
             self.metrics.relayout_seconds += received.copy_seconds
         loop = asyncio.get_running_loop()

@@ -85,11 +85,13 @@ class Received:
     weight updated in part); the seconds spent copying; the storages the engine has not been sent yet."""
 
     last_byte: float
-    spares: dict[int, Ref]
+    spares: dict[int, Ref] | None
     slots: list[int]
-    copies: dict[int, Ref]
+    copies: dict[int, Ref] | None
     stale: list[int]
     copy_seconds: float
+    # The number of this (spares, copies): sent once, then only by number (updates take turns between a few)
+    layout: int = 0
     new: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -170,6 +172,7 @@ class _Process:
         self.spare = SpareWeights(setup.params, setup.fused_groups, shared=True)
         self.book = CopyBook(setup.slot_weights)
         self.names = _Names()
+        self.layouts: dict[tuple, int] = {}
         self.group: WeightUpdateGroup | None = None
 
     def join(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
@@ -204,9 +207,16 @@ class _Process:
 
         receive_tensors(group, specs, bucket_bytes, plan.targets, on_bucket=after_bucket)
         ref = self.names.ref
-        received = Received(last_byte, {i: ref(t) for i, t in self.spare.spares_of(names)}, list(copies.slots),
-                            {slot: ref(c) for slot, c in copies.copies.items()}, list(copies.stale), copies.seconds)
-        received.new = self.names.take_new()
+        spares = {i: ref(t) for i, t in self.spare.spares_of(names)}
+        refs = {slot: ref(c) for slot, c in copies.copies.items()}
+        key = (tuple(spares.items()), tuple(refs.items()))
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = self.layouts[key] = len(self.layouts)
+        else:
+            spares = refs = None  # the engine has them
+        received = Received(last_byte, spares, list(copies.slots), refs, list(copies.stale), copies.seconds, layout,
+                            self.names.take_new())
         # The engine switches to these before it sends the next update: mirror it now
         self.spare.switch(names, copy_members=False)
         self.book.use(copies.copies)
@@ -257,6 +267,7 @@ class Receiver:
         self._calling = False
         self._storages: dict[int, torch.Tensor] = {}
         self._views: dict[Ref, torch.Tensor] = {}
+        self._layouts: dict[int, tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]] = {}
 
     async def call(self, command: str, *args):
         """Run `command` there and return its result. The answer is awaited on the event loop, not on a thread of
@@ -282,6 +293,13 @@ class Receiver:
             self._storages.update(result.new)
             result.new = {}
         return result
+
+    def tensors(self, received: Received) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """The engine's views of where an update was received: (storage number -> its spare, slot -> copy)."""
+        if received.spares is not None:
+            self._layouts[received.layout] = ({i: self.tensor(ref) for i, ref in received.spares.items()},
+                                              {slot: self.tensor(ref) for slot, ref in received.copies.items()})
+        return self._layouts[received.layout]
 
     def tensor(self, ref: Ref) -> torch.Tensor:
         view = self._views.get(ref)

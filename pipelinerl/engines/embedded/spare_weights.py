@@ -46,6 +46,7 @@ class _Storage:
         self.current = live.detach()  # what `live` holds now; the next spare after a swap
         self.spare: torch.Tensor | None = None
         self._rows: tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # (of spare, rows)
+        self._rows_of: dict[int, tuple] = {}  # the rows made for each of the last spares, by id: they take turns
 
     def spare_view(self, member: int) -> torch.Tensor:
         if self.spare is None:
@@ -86,7 +87,13 @@ class _Storage:
         which keeps the decode pause short (a switch runs with cold caches, right after a transfer)."""
         spare = self.spare
         assert spare is not None
-        self._rows = (spare, [(param, spare[start:end]) for param, start, end in self.members if start is not None])
+        rows = self._rows_of.get(id(spare))
+        if rows is None or rows[0] is not spare:
+            if len(self._rows_of) >= 2 * ARENAS_PER_LAYOUT:
+                self._rows_of.clear()
+            rows = self._rows_of[id(spare)] = (
+                spare, [(param, spare[start:end]) for param, start, end in self.members if start is not None])
+        self._rows = rows
 
     def swap(self) -> None:
         """Make the spare live and the live storage the next spare: assignments, no copy."""
