@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import running_engine
-from test_engine import PROMPT, Trainer
+from test_engine import PROMPT, Trainer, receiver_pid
 
 from pipelinerl.engines.embedded.cpus import CpuListError, CpuSplit, parse_cpu_list
 
@@ -50,24 +50,32 @@ def _threads(pid: int) -> dict[int, tuple[frozenset[int], int]]:
 
 
 @pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 CPUs to split")
-def test_engine_decodes_on_its_cpus_and_receives_on_the_others(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("receiver", ["process", "thread"])
+def test_engine_decodes_on_its_cpus_and_receives_on_the_others(tiny_model_dir, tmp_path, receiver):
+    """The decoding thread runs on --decode-cpus; what receives (the receiving process, or the receiving and gloo
+    threads) on the others. With a receiving process the server's HTTP thread runs on the decoding CPUs too."""
     decode, rest = frozenset(ALLOWED[:1]), frozenset(ALLOWED[1:])
-    with running_engine(tiny_model_dir, tmp_path, extra=["--decode-cpus", str(ALLOWED[0])]) as client:
+    extra = ["--decode-cpus", str(ALLOWED[0]), "--update-receiver", receiver]
+    with running_engine(tiny_model_dir, tmp_path, extra=extra) as client:
         trainer = Trainer(client, tiny_model_dir)
         try:
             before = _threads(client.process.pid)
+            receiving = receiver_pid(client.process.pid) if receiver == "process" else client.process.pid
             for _ in range(3):  # decoding and updates, both
                 client.generate(PROMPT, temperature=0, max_new_tokens=200, ignore_eos=True)
-                assert trainer.push(trainer.perturbed(seed=trainer.version)).version == trainer.version
-            after = _threads(client.process.pid)
+                assert trainer.push(trainer.perturbed(seed=trainer.version), bucket_bytes=4096).version \
+                    == trainer.version
+            after, receiving_after = _threads(client.process.pid), _threads(receiving)
         finally:
             trainer.group.destroy()
-    pinned = [tid for tid, (cpus, _) in after.items() if cpus == decode]
-    assert len(pinned) == 1, f"one decoding thread on {set(decode)}, got {after}"
-    assert all(cpus == rest for tid, (cpus, _) in after.items() if tid not in pinned)
-    # the pinned thread is the one that decoded: it used the most CPU during the generations
+    # the thread that decoded (it used the most CPU during the generations) is pinned to the decoding CPUs
     used = {tid: ticks - before.get(tid, (None, 0))[1] for tid, (_, ticks) in after.items()}
-    assert max(used, key=used.get) == pinned[0], used
+    decoder = max(used, key=used.get)
+    assert after[decoder][0] == decode, after
+    if receiver == "thread":  # every other thread of the server on the rest
+        assert all(cpus == rest for tid, (cpus, _) in after.items() if tid != decoder), after
+    else:  # every thread of the receiving process (gloo's among them) on the rest
+        assert all(cpus == rest for cpus, _ in receiving_after.values()), receiving_after
 
 
 def test_serve_refuses_a_bad_cpu_list_before_loading(tiny_model_dir):
