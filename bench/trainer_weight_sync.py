@@ -4,10 +4,11 @@ Trainer path: `Trainer.broadcast_weights` -> POST /v1/weights/update to a real e
 rank 0 broadcasts the parameters over gloo -> the engine receives them (`receive_tensors`) and switches its
 weights -> the HTTP call returns. Everything the pipeline pays for, timed from the call to its return.
 
-Raw: the same two processes and the same gloo group, one broadcast per bucket of the same sizes, from
+Raw: the same processes and the same gloo group, one broadcast per bucket of the same sizes, from
 preallocated flat uint8 tensors into preallocated buffers, with as many broadcasts in flight as the trainer
 path keeps (`PIPELINE_DEPTH`), timed on the sender after a barrier: no HTTP, no packing or unpacking, no
-switch. The engine process serves one extra route for this (`/bench/raw_receive`), added by this file.
+switch. The engine process serves one extra route for this (`/bench/raw_receive`), added by this file; an
+engine that receives in a process of its own (on CPU, by default) has that process do the raw receiving.
 
 Rounds alternate between the two (which goes first alternates too) so drift hits both. Per mode: `ratio` =
 median trainer bytes/s / median raw bytes/s; `paired` = the per-round ratios (raw seconds / trainer seconds
@@ -259,6 +260,8 @@ def _serve_receiver(model_dir: str, port: int) -> None:
 
     @app.post("/bench/raw_receive")
     async def raw_receive(body: dict) -> dict:
+        if engine.receive_in_process:  # the group is the receiving process's: it receives there too
+            return {"seconds": await engine._call_receiver("bare_receive", list(body["sizes"]))}
         group = engine._group  # the engine's own weight-update group, the one the trainer path uses
         sizes = tuple(body["sizes"])
         if sizes not in raw_buffers:

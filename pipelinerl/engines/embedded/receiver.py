@@ -174,6 +174,7 @@ class _Process:
         self.names = _Names()
         self.layouts: dict[tuple, int] = {}
         self.group: WeightUpdateGroup | None = None
+        self._bare: list[torch.Tensor] = []
 
     def join(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
              group_name: str, timeout_s: float) -> None:
@@ -221,6 +222,17 @@ class _Process:
         self.spare.switch(names, copy_members=False)
         self.book.use(copies.copies)
         return received
+
+    def bare_receive(self, sizes: list[int]) -> float:
+        """A baseline for benchmarks: after a barrier, receive one broadcast of each size (bytes) into buffers
+        kept for it, and nothing else; returns the seconds that took."""
+        group = self._group()
+        if [b.numel() for b in self._bare] != sizes:
+            self._bare = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        group.barrier()
+        start = time.perf_counter()
+        receive_tensors(group, [TensorSpec(str(i), torch.uint8, (n,)) for i, n in enumerate(sizes)], 0, self._bare)
+        return time.perf_counter() - start
 
     def _group(self) -> WeightUpdateGroup:
         if self.group is None:
