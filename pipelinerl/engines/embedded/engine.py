@@ -468,20 +468,27 @@ class EmbeddedEngine:
         engine thread, which tells this one when it has switched."""
         received = await self._call_receiver("update", specs, bucket_bytes,
                                              self._copier is not None and self._busy())
-        spares, copies = self._receiver.tensors(received)
-        self._spare.take_spares(pending.names, spares)
-        if received.slots:
-            pending.copies = copies
-            pending.foreign_copies = True
-            pending.stale_copies = received.stale
-            pending.copies_after = [slot for slot in received.slots
-                                    if slot not in copies and slot not in received.stale]
-            self.metrics.relayouts += not pending.copies_after
-            self.metrics.relayout_seconds += received.copy_seconds
         loop = asyncio.get_running_loop()
         switched = loop.create_future()
-        pending.on_done = functools.partial(loop.call_soon_threadsafe, _resolve, switched, None)
-        self._hand_over(pending)
+        try:
+            spares, copies = self._receiver.tensors(received)
+            self._spare.take_spares(pending.names, spares)
+            if received.slots:
+                pending.copies = copies
+                pending.foreign_copies = True
+                pending.stale_copies = received.stale
+                pending.copies_after = [slot for slot in received.slots
+                                        if slot not in copies and slot not in received.stale]
+                self.metrics.relayouts += not pending.copies_after
+                self.metrics.relayout_seconds += received.copy_seconds
+            pending.on_done = functools.partial(loop.call_soon_threadsafe, _resolve, switched, None)
+            self._hand_over(pending)
+        except BaseException:
+            # The receiving process counts this update as switched to and would receive the next one into what
+            # is still live here: replace it (it starts from the live weights) and let the trainer rejoin.
+            receiver, self._receiver, self._group_name = self._receiver, None, None
+            await asyncio.to_thread(receiver.close)
+            raise
         while not switched.done():
             await asyncio.wait([switched], timeout=1.0)
             self._check_engine_thread()
