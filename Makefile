@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
 include launch/vllm_install.mk
 
-.PHONY: install run compare test test-quick bench lint format openapi clean
+.PHONY: install run compare test test-quick bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -33,6 +33,39 @@ endif
 
 run: $(STAMP)
 	$(BIN)/pipelinerl run recipes/tiny_cpu.yaml $(ARGS)
+
+# --- Open-Reasoner-Zero -----------------------------------------------------------------------------------------
+# ORZ's public data (training sets and eval sets, each checked against a pinned checksum) into data/orz/.
+data-orz: $(STAMP)
+	$(BIN)/pipelinerl data orz
+
+# The CPU rehearsal of the ORZ path: synthetic word problems in ORZ's formats, a tiny model, 2 cores.
+run-orz-cpu: $(STAMP)
+	$(BIN)/python -m pipelinerl.tasks.synthetic_math data/orz_synthetic
+	$(BIN)/pipelinerl run recipes/orz_cpu.yaml $(ARGS)
+
+# Qwen2.5-7B on one node of 8 GPUs. Checked before the install, so a machine without them stops in seconds.
+run-7b:
+	@n=$$(nvidia-smi -L 2>/dev/null | wc -l); if [ "$$n" -lt 8 ]; then \
+	  echo "make run-7b: recipes/orz_7b.yaml needs one node with 8 GPUs of 80 GB (4 train with DeepSpeed ZeRO-3, 4 run"; \
+	  echo "vLLM engines); this machine has $$n. 'make install && .venv/bin/pipelinerl plan recipes/orz_7b.yaml' prints"; \
+	  echo "where every process goes and the memory each GPU needs, on any machine."; exit 2; fi
+	$(MAKE) --no-print-directory data-orz
+	$(BIN)/pipelinerl run recipes/orz_7b.yaml $(ARGS)
+
+# Qwen2.5-32B on 4 nodes of 8 GPUs: submitted to SLURM where there is one, else the command for every node.
+run-32b:
+	@if command -v sbatch >/dev/null; then \
+	  $(MAKE) --no-print-directory data-orz && \
+	  sbatch --nodes 4 --gpus-per-node 8 launch/slurm/pipelinerl.sbatch recipes/orz_32b.yaml $(ARGS); \
+	else \
+	  echo "make run-32b: recipes/orz_32b.yaml needs 4 nodes with 8 GPUs of 141 GB each (H200 class; see"; \
+	  echo "'pipelinerl plan recipes/orz_32b.yaml'). No SLURM here (no sbatch). After 'make install data-orz' on a"; \
+	  echo "filesystem all nodes share, run on node i = 0..3 (node 0's address in MASTER_ADDR):"; \
+	  echo "  WORLD_SIZE=4 RANK=i MASTER_ADDR=<node 0> MASTER_PORT=29500 .venv/bin/pipelinerl run recipes/orz_32b.yaml \\"; \
+	  echo "      engine.host=0.0.0.0 $(ARGS)"; \
+	  exit 2; \
+	fi
 
 # The tiny recipe twice, pipelined (max_lag 2) and synchronous (max_lag 0): one PNG of both curves against
 # wall-clock time and samples, in bench/results/tiny_sync_vs_pipelined.png.

@@ -153,7 +153,7 @@ class Actor:
         t0 = time.monotonic()
         req = GenerateRequest(prompt_token_ids=prompt_ids, sampling=SamplingParams(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-            max_new_tokens=cfg.sampling.max_new_tokens, n=cfg.sampling.group_size))
+            max_new_tokens=cfg.sampling.max_new_tokens, n=cfg.sampling.group_size, stop=list(cfg.sampling.stop)))
         resp = await engine.generate(req)
         t_gen = time.monotonic() - t0
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in resp.completions]

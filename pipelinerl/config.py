@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -43,6 +43,10 @@ class ModelConfig:
     init: str = "pretrained"
     tiny_hidden_size: int = 64
     tiny_layers: int = 2
+    # the tiny model's tokenizer: "char" (one token per character) or "bpe" (byte-level BPE trained on the task's
+    # training texts, tiny_vocab_size tokens: long prompts such as ORZ's template stay short)
+    tiny_tokenizer: str = "char"
+    tiny_vocab_size: int = 1024
     # supervised warm-up of a "tiny" model on the task's training set, so RL starts from a non-zero success rate
     warmup_steps: int = 0
     warmup_lr: float = 3e-3
@@ -51,6 +55,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check_choice(self.dtype, DTYPES, "model.dtype")
         _check_choice(self.init, ("pretrained", "tiny"), "model.init")
+        _check_choice(self.tiny_tokenizer, ("char", "bpe"), "model.tiny_tokenizer")
+        _check(self.tiny_vocab_size >= 300, "model.tiny_vocab_size", "must be at least 300 (256 bytes + specials)")
 
 
 @dataclass
@@ -67,9 +73,16 @@ class EngineConfig:
     max_batch_tokens: int = 16384  # KV-cache tokens held by running sequences
     max_model_len: int = 512  # prompt + generated tokens per sequence
     threads: int = 1  # CPU threads for the engine's torch ops
+    # GPU engines: the fraction of each engine GPU the engine may take (vLLM --gpu-memory-utilization, SGLang
+    # --mem-fraction-static); weights, activations and KV cache come out of it
+    gpu_memory_utilization: float = 0.9
+    # engines on the trainer's GPUs instead of GPUs of their own (a one-GPU workstation); give the trainer room
+    # by lowering gpu_memory_utilization
+    colocate_with_trainer: bool = False
 
     def __post_init__(self) -> None:
         _check_choice(self.kind, ENGINES, "engine.kind")
+        _check(0 < self.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
         _check(self.num_engines >= 0, "engine.num_engines", "must be >= 0 (0: fill the node's free GPUs)")
         _check(0 <= self.base_port <= 65535, "engine.base_port", "must be a TCP port, or 0 for any free one")
         _check(self.max_running_seqs >= 1, "engine.max_running_seqs", "must be at least 1")
@@ -85,9 +98,13 @@ class SamplingConfig:
     top_k: int = 0  # 0 disables top-k
     max_new_tokens: int = 64
     group_size: int = 8  # attempts per prompt (G)
+    # strings that end a generation, kept in the output (ORZ: "</answer>", "User:", ...; the contract's
+    # `sampling.stop`: the token that completes one is the last one returned)
+    stop: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0, "sampling.temperature", "must be >= 0")
+        _check(all(isinstance(s, str) and s for s in self.stop), "sampling.stop", "stop strings must not be empty")
         _check(0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "sampling.top_k", "must be >= 0")
         _check(self.max_new_tokens >= 1, "sampling.max_new_tokens", "must be at least 1")
@@ -204,8 +221,42 @@ class RewardConfig:
         _check(self.cosine_off_steps >= 0, "reward.cosine_off_steps", "must be >= 0")
 
 
+@dataclass
+class EvalConfig:
+    """Sampling for held-out evaluation (the trainer's periodic one), independent of training's. A value left
+    unset (null) takes the training one from `sampling`. `trainer.eval_every` and `trainer.eval_k` say when and
+    how many samples per problem."""
+
+    temperature: Optional[float] = None  # noqa: UP045 (omegaconf needs Optional, not `float | None`)
+    top_p: Optional[float] = None  # noqa: UP045
+    max_new_tokens: Optional[int] = None  # noqa: UP045
+    # stop strings for evaluation; null: the training ones (`sampling.stop`)
+    stop: Optional[list[str]] = None  # noqa: UP045
+
+    def __post_init__(self) -> None:
+        _check(self.temperature is None or self.temperature >= 0, "eval.temperature", "must be >= 0")
+        _check(self.top_p is None or 0 < self.top_p <= 1, "eval.top_p", "must be in (0, 1]")
+        _check(self.max_new_tokens is None or self.max_new_tokens >= 1, "eval.max_new_tokens", "must be at least 1")
+
+
+@dataclass
+class ResourcesConfig:
+    """What a recipe needs. The launcher checks it against the machine before anything starts (a 7B recipe on a
+    laptop stops within seconds, saying what it needs); `pipelinerl plan` uses it as the default cluster."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: a CPU recipe, runs anywhere
+    gpu_memory_gib: float = 0.0  # memory per GPU the recipe was planned for (`pipelinerl plan`); 0: not stated
+
+    def __post_init__(self) -> None:
+        _check(self.nodes >= 1, "resources.nodes", "must be at least 1")
+        _check(self.gpus_per_node >= 0, "resources.gpus_per_node", "must be >= 0 (0: a CPU recipe)")
+        _check(self.gpu_memory_gib >= 0, "resources.gpu_memory_gib", "must be >= 0")
+
+
 TASKS = ("arithmetic", "math")
 MATH_TEMPLATES = ("orz", "boxed", "plain")
+MATH_REWARDS = ("math", "orz", "orz_exact")
 
 
 @dataclass
@@ -222,7 +273,9 @@ class TaskConfig:
     train_data: list[str] = field(default_factory=list)
     eval_data: list[str] = field(default_factory=list)
     template: str = "orz"  # orz | boxed | plain
-    reward: str = ""  # math | orz; empty = orz for the orz template, math otherwise
+    # math | orz | orz_exact; empty = orz for the orz template, math otherwise. Problems with `choices` (GPQA)
+    # are scored as multiple choice whatever this says
+    reward: str = ""
     reward_fn: str = ""  # "module:function" replacing the task's verifier (importable by the reward workers)
 
     def __post_init__(self) -> None:
@@ -235,7 +288,8 @@ class TaskConfig:
         _check_choice(self.template, MATH_TEMPLATES, "task.template")
         _check(self.reward_fn == "" or ":" in self.reward_fn, "task.reward_fn",
                f"must look like module:function, got {self.reward_fn!r}")
-        _check(self.reward in ("", "math", "orz"), "task.reward", f"must be math, orz or empty, got {self.reward!r}")
+        _check(self.reward in ("", *MATH_REWARDS), "task.reward",
+               f"must be one of {', '.join(MATH_REWARDS)} or empty, got {self.reward!r}")
         _check(self.name != "math" or len(self.train_data) > 0, "task.train_data",
                "the math task needs at least one training file or dataset name")
 
@@ -278,6 +332,8 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     streams: StreamsConfig = field(default_factory=StreamsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     def __post_init__(self) -> None:
         # A step trains on whole groups: advantages are computed within a group.
@@ -286,6 +342,34 @@ class RunConfig:
                f"got {self.trainer.samples_per_step}")
         _check(self.sampling.max_new_tokens < self.engine.max_model_len, "sampling.max_new_tokens",
                f"must be below engine.max_model_len ({self.engine.max_model_len})")
+        self._cross_check()
+
+    def _cross_check(self) -> None:
+        """Settings that are each valid alone but wrong together: caught here, before anything starts, instead of
+        as a crash (or silently wrong training) hours into a run."""
+        t, s, e = self.trainer, self.sampling, self.engine
+        # A sample is prompt + output, at most engine.max_model_len tokens; one that does not fit in a micro-batch
+        # stops the trainer at its first long sample.
+        _check(t.micro_batch_tokens >= e.max_model_len, "trainer.micro_batch_tokens",
+               f"{t.micro_batch_tokens} is smaller than the longest sample the engines can produce "
+               f"(engine.max_model_len {e.max_model_len}); raise trainer.micro_batch_tokens to at least "
+               f"{e.max_model_len} or lower engine.max_model_len")
+        # The trainer scores tokens at trainer.temperature; the engine's behaviour log-probs are at the sampling
+        # temperature. Different ones make fresh samples look off-policy: ratios far from 1, clipped and weighted.
+        _check(s.temperature == 0 or s.temperature == t.temperature, "trainer.temperature",
+               f"{t.temperature} differs from sampling.temperature {s.temperature}: the trainer's log-probs must "
+               "use the temperature the engines sample at; set both to the same value")
+        backend, gpu = self.weight_sync.backend, self.resources.gpus_per_node > 0
+        if e.colocate_with_trainer:
+            # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), which is what an
+            # engine sharing the trainer's GPU would be; gloo carries the update through host memory instead.
+            _check(backend == "gloo", "weight_sync.backend",
+                   f"{backend!r} cannot connect a trainer and an engine on the same GPU "
+                   "(engine.colocate_with_trainer); set weight_sync.backend=gloo")
+        else:
+            _check(not gpu or backend == "nccl", "weight_sync.backend",
+                   f"{backend!r} is the CPU backend, but this recipe runs on GPUs (resources.gpus_per_node "
+                   f"{self.resources.gpus_per_node}); set weight_sync.backend=nccl")
 
 
 def _merge(base: DictConfig, other: DictConfig, source: str) -> DictConfig:

@@ -50,6 +50,10 @@ def prepare_model(cfg: RunConfig) -> Path:
                 "warmup_steps": m.warmup_steps, "warmup_lr": m.warmup_lr, "warmup_batch_size": m.warmup_batch_size,
                 "task": {"name": t.name, "digits": t.digits, "ops": t.ops, "num_train": t.num_train,
                          "seed": t.seed, "reverse": t.reverse}}
+    if m.tiny_tokenizer != "char":  # (absent for the char tokenizer, so existing caches stay valid)
+        settings["tokenizer"] = {"kind": m.tiny_tokenizer, "vocab_size": m.tiny_vocab_size}
+    if t.name == "math":
+        settings["task"].update(train_data=list(t.train_data), template=t.template)
     marker = path / "pipelinerl_base_model.json"
     if marker.exists() and json.loads(marker.read_text()) == settings:
         print(f"using the cached base model in {path}")
@@ -63,10 +67,17 @@ def prepare_model(cfg: RunConfig) -> Path:
 
     print(f"building a tiny model in {path} (seed {cfg.seed})")
     torch.set_num_threads(max(1, cfg.engine.threads + cfg.trainer.threads))
+    task = task_from_config(t)
+    tokenizer = None
+    if m.tiny_tokenizer == "bpe":
+        from pipelinerl.models.tiny import build_bpe_tokenizer
+
+        target = getattr(task, "target", None)
+        texts = [task.prompt(p) + (target(p) if target and m.warmup_steps else "") for p in task.train_problems()]
+        tokenizer = build_bpe_tokenizer(texts, m.tiny_vocab_size)
     build_tiny_model(path, hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers, seed=cfg.seed,
-                     max_positions=max(1024, cfg.engine.max_model_len))
+                     max_positions=max(1024, cfg.engine.max_model_len), tokenizer=tokenizer)
     if m.warmup_steps > 0:
-        task = task_from_config(t)
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         target = getattr(task, "target", None)
@@ -97,7 +108,10 @@ class Engines:
                      "--max-model-len", str(e.max_model_len), "--threads", str(e.threads),
                      "--dtype", cfg.model.dtype, "--port-file", str(port_file)]
             cmd = engine_command(str(model_path), slot.port, e.host, e.kind, extra)
-            self.procs.append(start_process(cmd, log, threads=e.threads, env=slot.env(visible)))
+            env = slot.env(visible)
+            if slot.gpus:
+                env.update(gpu_memory_args(e))
+            self.procs.append(start_process(cmd, log, threads=e.threads, env=env))
 
     @property
     def pids(self) -> dict[str, int]:
@@ -130,6 +144,18 @@ class Engines:
             c.close()
         for p in self.procs:
             stop_process(p)
+
+
+def gpu_memory_args(e) -> dict[str, str]:
+    """The engine's share of its GPU (`engine.gpu_memory_utilization`) in the words of the engine it starts,
+    ahead of any arguments the user gives in the same environment variable (so the user's win)."""
+    if e.kind == "vllm":
+        var, flag = "PIPELINERL_VLLM_ARGS", "--gpu-memory-utilization"
+    elif e.kind == "sglang":
+        var, flag = "PIPELINERL_SGLANG_ARGS", "--mem-fraction-static"
+    else:
+        return {}
+    return {var: f"{flag} {e.gpu_memory_utilization} {os.environ.get(var, '')}".strip()}
 
 
 class ChildFailed(RuntimeError):
@@ -234,7 +260,13 @@ def main(recipe: str, overrides: list[str]) -> int:
     try:
         cfg = load_config(recipe, overrides)
         node = NodeEnv.from_environ()
-        plan = plan_node(cfg, node, detect_gpus())
+        gpus = detect_gpus()
+        problems = missing_data(cfg) + missing_resources(cfg, recipe, node, gpus)
+        if problems:
+            print(f"pipelinerl: {recipe} cannot start here:\n" + "\n".join(f"- {p}" for p in problems),
+                  file=sys.stderr)
+            return 2
+        plan = plan_node(cfg, node, gpus)
     except ConfigError as e:
         print(f"pipelinerl: config error: {e}", file=sys.stderr)
         return 2
@@ -251,6 +283,49 @@ def main(recipe: str, overrides: list[str]) -> int:
     except KeyboardInterrupt:
         print("interrupted; all processes of the run stopped", file=sys.stderr)
         return 130
+
+
+def missing_data(cfg: RunConfig) -> list[str]:
+    """Local data files the recipe names that are not there, each with the command that fetches it. Checked
+    before anything starts: a 7B run should not load its model and start 4 engines only to fail on a path."""
+    if cfg.task.name != "math":
+        return []
+    from pipelinerl.data import missing_data_hint
+
+    problems = []
+    for key, sources in (("task.train_data", cfg.task.train_data), ("task.eval_data", cfg.task.eval_data)):
+        for source in sources:
+            if Path(source).exists() or not _looks_local(source):
+                continue
+            hint = missing_data_hint(source)
+            problems.append(f"{key}: {source} does not exist; "
+                            + (hint or "point it at a local JSON/JSONL file or a Hugging Face dataset name"))
+    return problems
+
+
+def _looks_local(source: str) -> bool:
+    """A path rather than a Hugging Face dataset name ("org/name" or "org/name:split")."""
+    return source.endswith((".json", ".jsonl")) or source.startswith((".", "/")) or source.count("/") > 1
+
+
+def missing_resources(cfg: RunConfig, recipe: str, node: NodeEnv, gpus: int) -> list[str]:
+    """What the recipe needs (`resources`) and this machine lacks, said plainly, with where to go from here."""
+    r = cfg.resources
+    if r.gpus_per_node == 0:
+        return []
+    need = (f"{r.nodes} node(s) with {r.gpus_per_node} GPUs each"
+            + (f" of at least {r.gpu_memory_gib:g} GiB" if r.gpu_memory_gib else ""))
+    problems = []
+    if gpus < r.gpus_per_node:
+        problems.append(f"resources: the recipe needs {need}; this node has {gpus} GPU(s). "
+                        f"`pipelinerl plan {recipe}` shows where every process goes and the memory each GPU needs "
+                        "(it runs anywhere); a smaller cluster can be planned with its --nodes/--gpus-per-node flags")
+    if node.world_size < r.nodes:
+        problems.append(f"resources.nodes: the recipe runs on {r.nodes} nodes, this launch has WORLD_SIZE="
+                        f"{node.world_size}; start it on every node with WORLD_SIZE, RANK, MASTER_ADDR and "
+                        f"MASTER_PORT set, or on SLURM: sbatch --nodes {r.nodes} --gpus-per-node {r.gpus_per_node} "
+                        f"launch/slurm/pipelinerl.sbatch {recipe}")
+    return problems
 
 
 def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:

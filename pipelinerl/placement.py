@@ -3,7 +3,7 @@
 A run spans `WORLD_SIZE` nodes (1 unless the environment says otherwise; `RANK` is this node, `MASTER_ADDR`
 and `MASTER_PORT` reach node 0). Node 0 runs the trainer on its first `trainer.num_processes` GPUs, the actor
 and the reward pool; every node runs engines on the GPUs left, one GPU each (tensor-parallel engines are
-not supported yet). On a machine
+not supported yet); with `engine.colocate_with_trainer`, node 0's engines share the trainer's GPUs instead. On a machine
 without GPUs the roles share the cores through their thread counts (`engine.threads`, `trainer.threads`).
 
 Planning is pure (a config, a node and a GPU count in, a plan out) so every placement rule is tested without
@@ -116,6 +116,9 @@ def plan_node(cfg: RunConfig, node: NodeEnv, num_gpus: int) -> NodePlan:
                 raise ConfigError(f"trainer.num_processes: {t.num_processes} trainer processes need as many GPUs "
                                   f"on node 0, which has {num_gpus} (the trainer runs on one node)")
             trainer_gpus, free = tuple(free[: t.num_processes]), free[t.num_processes:]
+        if e.colocate_with_trainer and runs_trainer:
+            # engines share the trainer's GPUs (one-GPU workstations): one engine per trainer GPU at most
+            free = list(trainer_gpus)
         count = e.num_engines or len(free)
         if count > len(free):
             raise ConfigError(f"engine.num_engines: {count} engines need a GPU each; node {node.rank} has "

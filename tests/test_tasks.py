@@ -9,10 +9,10 @@ import pytest
 from pipelinerl.config import ConfigError, TaskConfig, load_config
 from pipelinerl.models.tiny import CHARACTERS
 from pipelinerl.rewards import RewardPool, function_ref
-from pipelinerl.rewards.math import score_math, score_orz
+from pipelinerl.rewards.math import score_math
 from pipelinerl.tasks import TASKS, Task, get_task, register_task, reward_item, task_from_config
 from pipelinerl.tasks.arithmetic import ArithmeticTask, arithmetic_reward, parse_answer, sft_target, space_size
-from pipelinerl.tasks.math_data import MathTask, load_file, load_hub, load_problems
+from pipelinerl.tasks.math_data import MathTask, load_file, load_hub, load_problems, score_math_task
 
 # -- arithmetic ------------------------------------------------------------------------------------------------
 
@@ -135,17 +135,23 @@ def test_load_errors_are_clear(tmp_path, monkeypatch):
 def test_math_task_prompts_and_reward_rules(tmp_path):
     path = str(_write(tmp_path / "eval.json", ORZ_EVAL))
     orz = get_task("math", train_data=[path], eval_data=[path, path])
-    assert isinstance(orz, Task) and orz.reward_fn is score_orz
+    assert isinstance(orz, Task) and orz.rule == "orz" and orz.reward_fn is score_math_task
     assert len(orz.train_problems()) == 2 and len(orz.eval_problems()) == 4
     text = orz.prompt(orz.train_problems()[0])
     assert "<answer> </answer>" in text and "\\boxed{}" in text and "What is $1+1$?\nAssistant: <think>" in text
     boxed = MathTask(train_data=[path], template="boxed")
-    assert boxed.reward_fn is score_math and boxed.prompt({"problem": "Q"}).endswith("within \\boxed{}.")
-    assert MathTask(train_data=[path], template="plain", reward="orz").reward_fn is score_orz
-    assert function_ref(orz.reward_fn) == "pipelinerl.rewards.math:score_orz"
+    assert boxed.rule == "math" and boxed.prompt({"problem": "Q"}).endswith("within \\boxed{}.")
+    assert MathTask(train_data=[path], template="plain", reward="orz").rule == "orz"
+    assert function_ref(orz.reward_fn) == "pipelinerl.tasks.math_data:score_math_task"
+    # every problem carries its task's rule, which the one pool entry point dispatches on
+    assert {p["reward_rule"] for p in orz.train_problems()} == {"orz"}
+    assert {p["reward_rule"] for p in boxed.train_problems()} == {"math"}
     problem = orz.train_problems()[1]
     good = reward_item(problem, "<think>28/6</think> <answer> \\boxed{14/3} </answer>", "stop")
-    assert orz.reward_fn(good).reward == 1.0 and boxed.reward_fn(good).reward == 1.0
+    assert orz.reward_fn(good).reward == 1.0
+    assert orz.reward_fn(reward_item(problem, "<answer> \\boxed{14/3} </answer>", "length")).reward == 0.0
+    boxed_problem = boxed.train_problems()[1]
+    assert boxed.reward_fn(reward_item(boxed_problem, "so \\boxed{14/3}", "length")).reward == 1.0
     with pytest.raises(ValueError, match="template"):
         MathTask(template="chat")
 
@@ -184,7 +190,7 @@ def test_task_from_config(tmp_path):
     assert isinstance(task, ArithmeticTask) and task.mul_digits == 2 and len(task.train_problems()) == 50
     path = str(_write(tmp_path / "eval.json", ORZ_EVAL))
     math_task = task_from_config(TaskConfig(name="math", train_data=[path], template="boxed"))
-    assert isinstance(math_task, MathTask) and math_task.reward_fn is score_math
+    assert isinstance(math_task, MathTask) and math_task.rule == "math"
     recipe = tmp_path / "r.yaml"
     recipe.write_text("run_dir: a\nmodel: {path: m}\n")
     cfg = load_config(recipe, ["task.name=math", f"task.train_data=[{path}]", "task.reward=math"])

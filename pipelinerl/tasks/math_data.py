@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelinerl.rewards.math import last_boxed, score_math, score_orz
+from pipelinerl.rewards.pool import RewardResult
 
 ORZ_TEMPLATE = (
     "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The "
@@ -34,7 +35,38 @@ TEMPLATES = {
     "boxed": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
     "plain": "{problem}",
 }
-REWARDS: dict[str, Callable[[dict], Any]] = {"math": score_math, "orz": score_orz}
+
+
+def _score_orz_exact(item: dict) -> RewardResult:
+    from pipelinerl.rewards.orz_exact import score_orz_exact
+
+    return score_orz_exact(item)
+
+
+def _score_choice(item: dict) -> RewardResult:
+    from pipelinerl.rewards.choice import score_choice
+
+    return score_choice(item)
+
+
+REWARDS: dict[str, Callable[[dict], Any]] = {"math": score_math, "orz": score_orz, "orz_exact": _score_orz_exact}
+
+
+def score_math_task(item: dict) -> RewardResult:
+    """The math task's pool entry point: a multiple-choice problem (GPQA: it has `choices`) is scored by its letter,
+    anything else by the rule the task chose (`reward_rule`, put on every problem when it is loaded)."""
+    problem = item["problem"]
+    if isinstance(problem.get("choices"), dict):
+        return _score_choice(item)
+    return REWARDS[problem.get("reward_rule", "math")](item)
+
+
+def _warmup() -> None:
+    for fn in (score_math, score_orz):
+        fn.warmup()  # type: ignore[attr-defined]
+
+
+score_math_task.warmup = _warmup  # type: ignore[attr-defined]  # run by reward pool workers
 _LOCAL_SUFFIXES = (".json", ".jsonl")
 
 
@@ -89,8 +121,23 @@ def normalize(item: Any, index: int, source: str) -> dict:
                          f"'prompt'/'final_answer' or 'problem'/'answer' fields): {str(item)[:200]}")
     item_id = item.get("id", item.get("unique_id")) if isinstance(item, dict) else None
     name = Path(source).stem if Path(source).suffix in _LOCAL_SUFFIXES else source
-    return {"id": str(item_id) if item_id is not None else f"{name}-{index}", "problem": problem,
-            "answer": answer, "source": name}
+    out = {"id": str(item_id) if item_id is not None else f"{name}-{index}", "problem": problem,
+           "answer": answer, "source": name}
+    if isinstance(item, dict) and isinstance(item.get("choices"), dict):  # multiple choice (GPQA): letter -> text
+        out["choices"] = {str(k): str(v) for k, v in item["choices"].items()}
+    solution = _solution_from_turns(item) if isinstance(item, list) else None
+    if solution:
+        out["solution"] = solution
+    return out
+
+
+def _solution_from_turns(turns: list) -> str | None:
+    """A worked solution in the assistant turn (`value` beside `ground_truth`), where a file has one: the
+    supervised warm-up target of the CPU rehearsal's synthetic problems. ORZ's own files have none."""
+    for turn in turns:
+        if isinstance(turn, dict) and turn.get("from") == "assistant" and isinstance(turn.get("value"), str):
+            return turn["value"]
+    return None
 
 
 def load_file(path: str | Path) -> list[dict]:
@@ -149,19 +196,27 @@ class MathTask:
     def __post_init__(self) -> None:
         if self.template not in TEMPLATES:
             raise ValueError(f"template must be one of {', '.join(TEMPLATES)}, got {self.template!r}")
-        reward = self.reward or ("orz" if self.template == "orz" else "math")
-        if reward not in REWARDS:
+        self.rule = self.reward or ("orz" if self.template == "orz" else "math")
+        if self.rule not in REWARDS:
             raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
-        self.reward_fn = REWARDS[reward]
+        self.reward_fn = score_math_task
         self._cache: dict[str, list[dict]] = {}
 
     def _load(self, sources: list[str]) -> list[dict]:
         out = []
         for source in sources:
             if source not in self._cache:
-                self._cache[source] = load_problems(source)
+                self._cache[source] = [{**p, "reward_rule": self.rule} for p in load_problems(source)]
             out.extend(self._cache[source])
         return out
+
+    def target(self, problem: dict) -> str:
+        """The supervised warm-up target: the problem's worked solution (files with one, such as the CPU
+        rehearsal's synthetic problems), written after the prompt."""
+        if "solution" not in problem:
+            raise ValueError(f"problem {problem['id']} has no worked solution to warm up on (the assistant turn "
+                             "of ORZ's training format may carry one in `value`); set model.warmup_steps=0")
+        return problem["solution"]
 
     def train_problems(self) -> list[dict]:
         return self._load(self.train_data)
