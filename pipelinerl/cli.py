@@ -44,6 +44,12 @@ def _conformance(args: argparse.Namespace) -> int:
     return conformance.main(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from pipelinerl import plan
+
+    return plan.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pipelinerl import serve
 
@@ -77,11 +83,30 @@ def build_parser() -> argparse.ArgumentParser:
     conformance.add_arguments(conf)
     conf.set_defaults(func=_conformance)
 
+    pl = sub.add_parser("plan", help="where every process goes and the memory each GPU needs (no GPU needed)",
+                        description="Plan a recipe on a cluster (its `resources`, or the flags): placement per node, "
+                                    "memory per GPU, whether it fits and what to change if not. Exit 0: fits, "
+                                    "1: does not fit, 2: config error.")
+    from pipelinerl import plan as planning
+
+    planning.add_arguments(pl)
+    pl.set_defaults(func=_plan)
+
     plot = sub.add_parser("plot", help="PNG curves of one or more runs",
                           description="Write curves_step.png and curves_time.png from RUN_DIR/metrics.jsonl.")
     plot.add_argument("run_dirs", nargs="+", help="run directories; several overlay")
     plot.add_argument("--out", default=None, help="output directory (default: the first run directory)")
     plot.set_defaults(func=_plot)
+
+    # `pipelinerl data orz`: ORZ's public data, fetched and checked against pinned checksums
+    from pipelinerl import data as data_cmd
+
+    dat = sub.add_parser("data", help="fetch and verify public datasets (orz: Open-Reasoner-Zero's)",
+                         description=data_cmd.__doc__.split("\n\n")[0] + " Each file is checked against a pinned "
+                         "checksum before it is kept; --check verifies without downloading.",
+                         epilog=data_cmd.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data_cmd.add_arguments(dat)
+    dat.set_defaults(func=data_cmd.main)
     return parser
 
 

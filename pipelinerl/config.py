@@ -354,6 +354,8 @@ class RunConfig:
                f"{t.micro_batch_tokens} is smaller than the longest sample the engines can produce "
                f"(engine.max_model_len {e.max_model_len}); raise trainer.micro_batch_tokens to at least "
                f"{e.max_model_len} or lower engine.max_model_len")
+        _check(self.eval.max_new_tokens is None or self.eval.max_new_tokens < e.max_model_len, "eval.max_new_tokens",
+               f"must be below engine.max_model_len ({e.max_model_len})")
         # The trainer scores tokens at trainer.temperature; the engine's behaviour log-probs are at the sampling
         # temperature. Different ones make fresh samples look off-policy: ratios far from 1, clipped and weighted.
         _check(s.temperature == 0 or s.temperature == t.temperature, "trainer.temperature",

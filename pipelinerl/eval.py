@@ -1,9 +1,13 @@
-"""Evaluation harness: pass@1 (averaged over k samples) and pass@k of a model served by any engine.
+"""Evaluation harness: per benchmark, avg@k (pass@1 averaged over k samples) and pass@k of a model served by any
+engine, and their unweighted mean over benchmarks.
 
 `pipelinerl eval --model PATH --task arithmetic` starts an embedded engine for the model, or talks to a running
 engine of any kind with `--engine-url`. Datasets: the project's tasks, local JSON/JSONL files (including the
 Open-Reasoner-Zero eval format) and Hugging Face datasets by name where a hub is reachable (`--data`).
-The trainer calls `evaluate` every `trainer.eval_every` steps on the held-out set.
+A benchmark is the problems of one source (one eval file, or one hub dataset): ORZ reports each benchmark's
+accuracy averaged over 16 samples, and `eval_accuracy` as the unweighted mean over benchmarks, so a 30-problem
+AIME counts as much as the 500 problems of MATH-500. The trainer calls `evaluate_async` every
+`trainer.eval_every` steps on the held-out set, with evaluation's own sampling settings (`eval:` in the config).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,27 +34,47 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
+def benchmark_names(sources: list[str]) -> dict[str, str]:
+    """Source -> benchmark name, usable inside a metric key: the eval file's stem as the loaders give it
+    ("aime2024"), a hub dataset's name without its organisation ("HuggingFaceH4/MATH-500" -> "MATH-500"), or the
+    full name where two sources would share one."""
+    def clean(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "data"
+
+    short = {s: clean(s.rsplit("/", 1)[-1]) for s in sources}
+    taken = [short[s] for s in sources]
+    return {s: short[s] if taken.count(short[s]) == 1 else clean(s) for s in sources}
+
+
 async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str], tokenizer, pool: RewardPool,
-                         k: int = 4, temperature: float = 1.0, max_new_tokens: int = 64,
-                         concurrency: int = 64, greedy: bool = False, seed: int | None = 0) -> dict:
-    """Score k samples per problem (1 greedy sample with `greedy`); returns summary metrics and per-problem rows."""
+                         k: int = 4, temperature: float = 1.0, max_new_tokens: int = 64, top_p: float = 1.0,
+                         top_k: int = 0, stop: list[str] | None = None, concurrency: int = 64, greedy: bool = False,
+                         seed: int | None = 0) -> dict:
+    """Score k samples per problem (1 greedy sample with `greedy`); returns the summary (the mean over
+    benchmarks), one entry per benchmark (problems grouped by their "source"), per-problem rows and the settings."""
     engines = [AsyncEngineClient(u) for u in engine_urls]
     sem = asyncio.Semaphore(concurrency)
     n = 1 if greedy else k
+    stop = list(stop or [])
+    # A task without sources (arithmetic) is one benchmark named after the task.
+    sources = list(dict.fromkeys(str(p.get("source") or task.name) for p in problems))
+    names = benchmark_names(sources)
 
     async def one(index: int, problem: dict) -> dict:
         ids = tokenizer.encode(task.prompt(problem))
         # Seeded per problem, so evaluations of different checkpoints draw comparable samples.
         req = GenerateRequest(prompt_token_ids=ids, sampling=SamplingParams(
-            temperature=0.0 if greedy else temperature, max_new_tokens=max_new_tokens, n=n,
-            seed=None if seed is None else seed + 1000 * index))
+            temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+            n=n, stop=stop, seed=None if seed is None else seed + 1000 * index))
         async with sem:
             resp = await min(engines, key=lambda e: e.in_flight).generate(req)
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in resp.completions]
         results = await pool.score_async(task.reward_fn, [reward_item(problem, t, c.finish_reason)
                                                           for t, c in zip(texts, resp.completions)])
         correct = [float(r.parts.get("correct", r.reward > 0)) for r in results]
-        return {"id": problem.get("id"), "correct": correct, "sample": texts[0][:200],
+        return {"id": problem.get("id"), "benchmark": names[str(problem.get("source") or task.name)],
+                "correct": correct, "tokens": [len(c.token_ids) for c in resp.completions],
+                "truncated": [c.finish_reason == "length" for c in resp.completions], "sample": texts[0][:200],
                 "version": resp.completions[0].versions[0] if resp.completions[0].versions else None}
 
     try:
@@ -57,27 +82,78 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
     finally:
         for e in engines:
             await e.aclose()
-    return summarize(rows, n)
+    result = summarize(rows, n)
+    result["settings"] = {"k": n, "greedy": greedy, "temperature": 0.0 if greedy else temperature, "top_p": top_p,
+                          "top_k": top_k, "max_new_tokens": max_new_tokens, "stop": stop, "seed": seed}
+    return result
+
+
+def _scores(rows: list[dict], n: int) -> dict:
+    m = max(1, len(rows))
+    scores = {f"avg@{n}": sum(sum(r["correct"]) / n for r in rows) / m}
+    for k in sorted({1, 2, 4, 8, 16, n}):
+        if k <= n:
+            scores[f"pass@{k}"] = sum(pass_at_k(n, int(sum(r["correct"])), k) for r in rows) / m
+    return scores
 
 
 def summarize(rows: list[dict], n: int) -> dict:
-    m = max(1, len(rows))
-    summary = {"problems": len(rows), "samples_per_problem": n,
-               "pass@1": sum(sum(r["correct"]) / n for r in rows) / m}
-    for k in sorted({1, 2, 4, 8, 16, n}):
-        if k <= n:
-            summary[f"pass@{k}"] = sum(pass_at_k(n, int(sum(r["correct"])), k) for r in rows) / m
-    return {"summary": summary, "rows": rows}
+    """Per benchmark (rows grouped by "benchmark", in order of appearance): avg@n = the mean over its problems of
+    the fraction of n samples correct (pass@1 estimated from n samples, ORZ's "averaged over 16 responses"), and
+    pass@j for j in 1, 2, 4, ... n. The summary holds the unweighted mean of each over benchmarks."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r.get("benchmark", "all"), []).append(r)
+    benchmarks = []
+    for name, group in groups.items():
+        entry = {"benchmark": name, "problems": len(group), "k": n, **_scores(group, n)}
+        tokens = [t for r in group for t in r.get("tokens", [])]
+        if tokens:  # ORZ's curves show output length next to accuracy
+            entry["mean_output_tokens"] = sum(tokens) / len(tokens)
+            entry["truncated"] = sum(x for r in group for x in r.get("truncated", [])) / len(tokens)
+        benchmarks.append(entry)
+    keys = list(_scores([], n))
+    mean = {key: sum(b[key] for b in benchmarks) / max(1, len(benchmarks)) for key in keys}
+    summary = {"problems": len(rows), "benchmarks": len(benchmarks), "samples_per_problem": n, **mean}
+    return {"summary": summary, "benchmarks": benchmarks, "rows": rows}
+
+
+def metrics_row(result: dict) -> dict:
+    """The scalars a metrics row gets from an evaluation: `eval_accuracy` (avg@k, mean over benchmarks: what the
+    launcher and plots read), `eval_pass@j` (means over benchmarks), and per benchmark `eval_<benchmark>_avg@<k>`
+    and `eval_<benchmark>_pass@<k>`."""
+    s = result["summary"]
+    n = s["samples_per_problem"]
+    row = {"eval_accuracy": s[f"avg@{n}"], **{f"eval_{k}": v for k, v in s.items() if k.startswith("pass@")}}
+    for b in result.get("benchmarks", []):
+        row[f"eval_{b['benchmark']}_avg@{n}"] = b[f"avg@{n}"]
+        row[f"eval_{b['benchmark']}_pass@{n}"] = b[f"pass@{n}"]
+    return row
+
+
+def markdown_table(result: dict) -> str:
+    s = result["summary"]
+    n = s["samples_per_problem"]
+    lines = [f"| benchmark | problems | k | avg@{n} | pass@{n} |", "| --- | ---: | ---: | ---: | ---: |"]
+    for b in result.get("benchmarks", []):
+        lines.append(f"| {b['benchmark']} | {b['problems']} | {n} | {b[f'avg@{n}']:.4f} | {b[f'pass@{n}']:.4f} |")
+    lines.append(f"| mean | {s['problems']} | {n} | {s[f'avg@{n}']:.4f} | {s[f'pass@{n}']:.4f} |")
+    notes = [f"avg@{n}: the fraction of the {n} samples per problem that are correct, averaged over problems; "
+             "mean: unweighted over benchmarks."]
+    settings = result.get("settings")
+    if settings:
+        notes.append("sampling: " + ", ".join(f"{k} {v}" for k, v in settings.items() if k != "k"))
+    if "seconds" in s:
+        notes.append(f"took {s['seconds']} s")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
 def write_results(result: dict, out_dir: Path, name: str = "eval") -> tuple[Path, Path]:
+    """`<out_dir>/<name>.json` (everything, per-problem rows included) and `<name>.md` (the table)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
-    s = result["summary"]
-    lines = ["| metric | value |", "| --- | --- |"] + [
-        f"| {key} | {value:.4f} |" if isinstance(value, float) else f"| {key} | {value} |" for key, value in s.items()]
-    md_path.write_text("\n".join(lines) + "\n")
+    md_path.write_text(markdown_table(result))
     return json_path, md_path
 
 
@@ -104,12 +180,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reverse", action="store_true", help="arithmetic answers least significant digit first")
     p.add_argument("--task-seed", type=int, default=0)
     p.add_argument("--num-problems", type=int, default=200)
-    p.add_argument("-k", type=int, default=4, help="samples per problem for pass@1 / pass@k")
+    p.add_argument("-k", type=int, default=4,
+                   help="samples per problem for avg@k and pass@k (ORZ reports avg@16)")
     p.add_argument("--greedy", action="store_true", help="one greedy sample per problem")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="a string that ends a generation, kept in the output (repeatable); ORZ's are "
+                        "'User:', 'Human:', 'Assistant:' and '</answer>'")
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--out", default=None, help="directory for eval.json and eval.md (default: the model directory)")
+    p.add_argument("--out", default=None, help="directory for eval.json and eval.md, one row per benchmark (each "
+                   "--data source) and their mean (default: the model directory)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -139,7 +222,8 @@ def main(args: argparse.Namespace) -> int:
         start = time.monotonic()
         with RewardPool(workers=1, timeout_s=10) as pool:
             result = asyncio.run(evaluate_async(task, problems, urls, tokenizer, pool, k=args.k,
-                                                temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                                max_new_tokens=args.max_new_tokens, stop=args.stop,
                                                 greedy=args.greedy))
         result["summary"]["seconds"] = round(time.monotonic() - start, 2)
     finally:

@@ -1,16 +1,19 @@
 """`pipelinerl plot RUN_DIR [RUN_DIR ...]`: PNG curves of a run's metrics (reward, held-out accuracy, lag,
-throughput, KL, entropy), against step and against wall-clock time; several runs overlay for comparison."""
+throughput, KL, entropy), against step and against wall-clock time; several runs overlay for comparison. Runs
+whose evaluation is per benchmark (`eval_<benchmark>_avg@<k>` keys) also get eval_benchmarks.png: one line per
+benchmark and their mean, one panel per run."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 # Each panel: (title, candidate metric keys, first found is drawn).
 PANELS = [
     ("reward", ["reward_mean", "reward"]),
-    ("held-out accuracy", ["eval_accuracy", "eval/accuracy"]),
+    ("held-out accuracy", ["eval_accuracy", "eval/accuracy"]),  # the mean over benchmarks where there are several
     ("lag (versions)", ["lag_mean", "lag"]),
     ("samples / s", ["samples_per_s"]),
     ("tokens / s", ["tokens_per_s"]),
@@ -46,7 +49,8 @@ def _finite(v: object) -> bool:
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> list[Path]:
-    """Write `<out>/curves_step.png` and `<out>/curves_time.png` (out defaults to the first run dir)."""
+    """Write `<out>/curves_step.png` and `<out>/curves_time.png` (out defaults to the first run dir), and
+    `<out>/eval_benchmarks.png` when a run evaluates per benchmark."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,7 +87,59 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> list
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    benchmarks = plot_benchmarks(runs, out_dir / "eval_benchmarks.png")
+    if benchmarks is not None:
+        written.append(benchmarks)
     return written
+
+
+_BENCHMARK_KEY = re.compile(r"^eval_(?P<name>.+)_avg@(?P<k>\d+)$")
+
+
+def benchmark_keys(rows: list[dict]) -> dict[str, str]:
+    """Benchmark name -> its metric key (`eval_<benchmark>_avg@<k>`), in order of first appearance."""
+    found: dict[str, str] = {}
+    for row in rows:
+        for key in row:
+            m = _BENCHMARK_KEY.match(key)
+            if m and m["name"] not in found:
+                found[m["name"]] = key
+    return found
+
+
+def plot_benchmarks(runs: dict[str, list[dict]], out_png: str | Path) -> Path | None:
+    """One panel per run with a per-benchmark eval: avg@k of each benchmark against step, and the mean over
+    benchmarks (`eval_accuracy`) dashed. None (and no file) when no run has per-benchmark keys."""
+    per_run = {label: benchmark_keys(rows) for label, rows in runs.items()}
+    per_run = {label: keys for label, keys in per_run.items() if keys}
+    if not per_run:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(per_run), figsize=(6 * len(per_run), 4), squeeze=False)
+    for ax, (label, keys) in zip(axes.flat, per_run.items()):
+        rows = runs[label]
+        for name, key in keys.items():
+            xs, ys = _series(rows, [key], "step")
+            ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, label=name)
+        xs, ys = _series(rows, ["eval_accuracy"], "step")
+        if xs:
+            ax.plot(xs, ys, "k--", marker="o" if len(xs) < 40 else None, label="mean")
+        k = next(iter(keys.values())).rsplit("@", 1)[-1]
+        ax.set_title(f"{Path(label).name}: avg@{k} per benchmark" if len(runs) > 1 else f"avg@{k} per benchmark")
+        ax.set_xlabel("step")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def plot_comparison(run_dirs: dict[str, str | Path], out_png: str | Path) -> Path:
@@ -96,7 +152,7 @@ def plot_comparison(run_dirs: dict[str, str | Path], out_png: str | Path) -> Pat
     runs = {label: read_metrics(d) for label, d in run_dirs.items()}
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for col, (x_key, x_label) in enumerate((("time", "wall-clock seconds"), ("samples_total", "samples trained on"))):
-        for row, (title, keys) in enumerate((("held-out accuracy (pass@1)", ["eval_accuracy"]),
+        for row, (title, keys) in enumerate((("held-out accuracy (avg@k, mean over benchmarks)", ["eval_accuracy"]),
                                              ("training reward", ["reward_mean"]))):
             ax = axes[row][col]
             for label, rows in runs.items():

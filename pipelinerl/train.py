@@ -167,7 +167,9 @@ def announce(control, message: dict) -> None:
 
 
 class HeldOutEval:
-    """pass@1 on the task's held-out problems through the engines, which hold the trainer's latest weights."""
+    """Held-out evaluation through the engines, which hold the trainer's latest weights: per benchmark (one per
+    eval source) avg@k and pass@k with k = trainer.eval_k, and their unweighted mean as `eval_accuracy`.
+    Sampling is evaluation's own (`eval:`), each unset value taken from training's `sampling:`."""
 
     def __init__(self, cfg: RunConfig, engine_urls: list[str], enabled: bool):
         self.cfg, self.urls = cfg, engine_urls
@@ -184,6 +186,16 @@ class HeldOutEval:
 
             self.pool = RewardPool(workers=1, timeout_s=cfg.reward.timeout_s).start()
 
+    @staticmethod
+    def sampling(cfg: RunConfig) -> dict:
+        """evaluate_async's sampling arguments: `eval.<x>` where set, else `sampling.<x>` (top_k, which `eval:`
+        does not have, is always training's)."""
+        e, s = cfg.eval, cfg.sampling
+        return {"temperature": s.temperature if e.temperature is None else e.temperature,
+                "top_p": s.top_p if e.top_p is None else e.top_p, "top_k": s.top_k,
+                "max_new_tokens": s.max_new_tokens if e.max_new_tokens is None else e.max_new_tokens,
+                "stop": list(s.stop if e.stop is None else e.stop)}
+
     def close(self) -> None:
         if self.enabled:
             self.pool.close()
@@ -191,20 +203,20 @@ class HeldOutEval:
     def run(self, step: int, elapsed: float, samples_total: int) -> dict:
         import asyncio
 
-        from pipelinerl.eval import evaluate_async, write_results
+        from pipelinerl.eval import evaluate_async, metrics_row, write_results
 
         t = self.cfg.trainer
         t0 = time.monotonic()
-        result = asyncio.run(evaluate_async(
-            self.task, self.problems, self.urls, self.tokenizer, self.pool, k=t.eval_k,
-            temperature=self.cfg.sampling.temperature, max_new_tokens=self.cfg.sampling.max_new_tokens,
-            greedy=t.eval_greedy))
+        result = asyncio.run(evaluate_async(self.task, self.problems, self.urls, self.tokenizer, self.pool,
+                                            k=t.eval_k, greedy=t.eval_greedy, **self.sampling(self.cfg)))
+        result["summary"]["seconds"] = round(time.monotonic() - t0, 2)
         write_results(result, Path(self.cfg.run_dir) / "eval", f"step_{step:06d}")
-        s = result["summary"]
-        log.info("held-out pass@1 at step %d: %.3f", step, s["pass@1"])
-        return {"step": step, "time": elapsed, "samples_total": samples_total, "eval_accuracy": s["pass@1"],
-                "eval_seconds": time.monotonic() - t0,
-                **{f"eval_{k}": v for k, v in s.items() if k.startswith("pass@")}}
+        row = metrics_row(result)
+        n = result["summary"]["samples_per_problem"]
+        log.info("held-out avg@%d at step %d: %.3f (%s)", n, step, row["eval_accuracy"],
+                 ", ".join(f"{b['benchmark']} {b[f'avg@{n}']:.3f}" for b in result["benchmarks"]))
+        return {"step": step, "time": elapsed, "samples_total": samples_total, **row,
+                "eval_seconds": time.monotonic() - t0}
 
 
 def _position(feed: SampleFeed, stale_dropped: int, started: float) -> dict:

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pipelinerl.plot import plot_runs
+from pipelinerl.plot import benchmark_keys, plot_runs
 
 
 def test_plot_writes_pngs_for_several_runs(tmp_path):
@@ -22,3 +22,18 @@ def test_plot_writes_pngs_for_several_runs(tmp_path):
 def test_plot_of_a_non_run_directory_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match="run directory"):
         plot_runs([tmp_path])
+
+
+def test_per_benchmark_eval_gets_a_png_of_its_own(tmp_path):
+    rows = [{"step": i, "time": 2.0 * i, "reward_mean": 0.1 * i} for i in range(1, 21)]
+    for step in (0, 10, 20):
+        rows.append({"step": step, "time": 2.0 * step, "eval_accuracy": 0.02 * step, "eval_pass@16": 0.05 * step,
+                     "eval_aime2024_avg@16": 0.01 * step, "eval_math500_avg@16": 0.03 * step,
+                     "eval_gpqa_diamond_avg@16": 0.02 * step, "eval_gpqa_diamond_pass@16": 0.04 * step})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert benchmark_keys(rows) == {"aime2024": "eval_aime2024_avg@16", "math500": "eval_math500_avg@16",
+                                    "gpqa_diamond": "eval_gpqa_diamond_avg@16"}
+    paths = plot_runs([tmp_path])
+    assert [p.name for p in paths] == ["curves_step.png", "curves_time.png", "eval_benchmarks.png"]
+    png = paths[-1].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

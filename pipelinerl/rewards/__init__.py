@@ -1,11 +1,14 @@
-"""The reward service: a crash-isolated process pool running task verifiers, math answer checking, and
-length shaping. See `pool`, `math` and `shaping`."""
+"""The reward service: a crash-isolated process pool running task verifiers, math answer checking (math-verify in
+`math`, Open-Reasoner-Zero's own check in `orz_exact`, multiple choice in `choice`), and length shaping (`shaping`).
+`agreement` measures how the two ORZ rules differ."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pipelinerl.rewards.choice import choice_reward, is_choice_problem, score_choice
 from pipelinerl.rewards.math import answers_match, last_boxed, math_reward, orz_reward, score_math, score_orz
+from pipelinerl.rewards.orz_exact import orz_exact_reward, score_orz_exact
 from pipelinerl.rewards.pool import COUNTERS, RewardPool, RewardResult, function_ref
 from pipelinerl.rewards.shaping import (
     cosine_length_reward,
@@ -19,9 +22,10 @@ if TYPE_CHECKING:
     from pipelinerl.samples import Sample
 
 __all__ = [
-    "COUNTERS", "RewardPool", "RewardResult", "answers_match", "apply_result", "cosine_length_reward",
-    "function_ref", "last_boxed", "length_penalty_active", "math_reward", "orz_reward", "overlong_penalty",
-    "score_math", "score_orz", "shape_reward", "truncated_zero",
+    "COUNTERS", "RewardPool", "RewardResult", "answers_match", "apply_result", "choice_reward", "cosine_length_reward",
+    "function_ref", "is_choice_problem", "last_boxed", "length_penalty_active", "math_reward", "orz_exact_reward",
+    "orz_reward", "overlong_penalty", "score_choice", "score_math", "score_orz", "score_orz_exact", "shape_reward",
+    "truncated_zero",
 ]
 
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelinerl.rewards.choice import is_choice_problem, score_choice
 from pipelinerl.rewards.math import last_boxed, score_math, score_orz
+from pipelinerl.rewards.orz_exact import score_orz_exact
 from pipelinerl.rewards.pool import RewardResult
 
 ORZ_TEMPLATE = (
@@ -37,32 +39,23 @@ TEMPLATES = {
 }
 
 
-def _score_orz_exact(item: dict) -> RewardResult:
-    from pipelinerl.rewards.orz_exact import score_orz_exact
-
-    return score_orz_exact(item)
-
-
-def _score_choice(item: dict) -> RewardResult:
-    from pipelinerl.rewards.choice import score_choice
-
-    return score_choice(item)
-
-
-REWARDS: dict[str, Callable[[dict], Any]] = {"math": score_math, "orz": score_orz, "orz_exact": _score_orz_exact}
+REWARDS: dict[str, Callable[[dict], Any]] = {"math": score_math, "orz": score_orz, "orz_exact": score_orz_exact}
 
 
 def score_math_task(item: dict) -> RewardResult:
-    """The math task's pool entry point: a multiple-choice problem (GPQA: it has `choices`) is scored by its letter,
-    anything else by the rule the task chose (`reward_rule`, put on every problem when it is loaded)."""
+    """The math task's pool entry point: a multiple-choice problem (GPQA: `choices` and a gold letter among them) is
+    scored by its letter, anything else by the rule the task chose (`reward_rule`, put on every problem when it is
+    loaded)."""
     problem = item["problem"]
-    if isinstance(problem.get("choices"), dict):
-        return _score_choice(item)
+    if is_choice_problem(problem):
+        return score_choice(item)
     return REWARDS[problem.get("reward_rule", "math")](item)
 
 
 def _warmup() -> None:
-    for fn in (score_math, score_orz):
+    # every rule's: a cold worker's first sympy/ANTLR parse takes over a second, which ORZ's 1 s limit would turn
+    # into a false 0
+    for fn in (score_math, score_orz, score_orz_exact):
         fn.warmup()  # type: ignore[attr-defined]
 
 
