@@ -152,7 +152,9 @@ class Suite:
         self.s = settings or Settings()
         self.log = log or (lambda _: None)
         self.client = EngineClient(self.url, timeout_s=max(600.0, self.s.timeout_s))
+        self.model_path = model_path
         self.ref = Reference(model_path)
+        self._tokenizer = None
         self.group = None
         self.version = 0
         self.state = self.ref.base  # the weights the engine holds, as far as the suite knows
@@ -167,6 +169,7 @@ class Suite:
         ("logprobs_greedy", "greedy tokens and log-probs match a rescoring of the same tokens"),
         ("logprobs_sampled", "sampled log-probs are log softmax(logits / temperature) of the rescoring"),
         ("stop_and_length", "stop tokens end a completion (included); length at max_new_tokens and context"),
+        ("stop_strings", "stop strings end a completion at the token that completes one (kept whole)"),
         ("queueing", "requests beyond the running limit queue and finish; none is refused"),
         ("completions", "OpenAI-style /v1/completions"),
         ("bad_input", "bad input is a 4xx whose error.field names the field; the server keeps serving"),
@@ -341,6 +344,92 @@ class Suite:
                "length")
         return ""
 
+    def _local_tokenizer(self):
+        """The tokenizer of --model, which decodes as the contract defines stop strings."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            except Exception as e:
+                raise Skipped(f"--model has no tokenizer to decode with ({type(e).__name__}: {e})") from None
+        return self._tokenizer
+
+    def check_stop_strings(self) -> str:
+        from pipelinerl.engines.stops import decoder, stop_position
+
+        tokenizer = self._local_tokenizer()
+        n = 32
+        greedy = self._greedy(n)
+        ids = greedy.token_ids
+        decode = decoder(tokenizer)
+        texts = [decode(ids[:k]) for k in range(n + 1)]  # texts[k]: the first k tokens decoded
+        never = "<conformance: a stop string that is not generated>"
+        while never in texts[n]:
+            never += "!"
+        picked = None
+        for stop, kind, token in _stop_candidates(texts):
+            cut = stop_position(tokenizer, ids, [stop])
+            # Past the first token (engines may decode it in the prompt's context: a leading space, say) and
+            # before the last (an engine ignoring stop strings would return the same tokens)
+            if cut is None or not 1 <= cut < n - 1:
+                continue
+            if kind == "inside a token" and cut != token:  # it occurs earlier: a fallback at most
+                picked = picked or (stop, "at an earlier occurrence", cut)
+                continue
+            picked = (stop, kind, cut)
+            break
+        if picked is None:
+            raise Skipped(f"the greedy text {texts[n]!r} offers no stop string to choose after its first token")
+        stop, kind, cut = picked
+        want = ids[:cut + 1]
+        try:
+            out = self._greedy(n, stop=[never, stop])
+        except EngineError as e:
+            if e.status == 400 and _norm_field(e.field) == "sampling.stop" and "tokenizer" in e.message:
+                raise Skipped(f"engine without a tokenizer: {e.message}") from None
+            raise
+        where = f"stop {stop!r} (ends {kind}, token {cut} of the greedy {n})"
+        expect(len(out.logprobs) == len(out.versions) == len(out.token_ids),
+               f"{where}: lengths token_ids/logprobs/versions {len(out.token_ids)}/{len(out.logprobs)}/"
+               f"{len(out.versions)} differ")
+        expect(out.token_ids == want and out.finish_reason == "stop",
+               f"{where}: {len(out.token_ids)} tokens, finish {out.finish_reason!r}; expected the greedy tokens up to "
+               f"and including the one that completes it ({cut + 1}), stop. Text returned: "
+               f"{decode(out.token_ids)!r}, the greedy text: {texts[n]!r}")
+        diff = max(abs(a - b) for a, b in zip(out.logprobs, greedy.logprobs))
+        expect(diff <= self.s.atol, f"{where}: log-probs differ from the greedy run's by {diff:.2e}")
+        last = self._greedy(cut + 1, stop=[stop])
+        expect(last.token_ids == want and last.finish_reason == "stop",
+               f"{where} completed by the last allowed token (max_new_tokens {cut + 1}): finish "
+               f"{last.finish_reason!r}, {len(last.token_ids)} tokens; expected stop, {cut + 1}")
+        none = self._greedy(n, stop=[never])
+        expect(none.token_ids == ids and none.finish_reason == "length",
+               f"a stop string that is not generated changed the output: {len(none.token_ids)} tokens, finish "
+               f"{none.finish_reason!r}")
+        return f"{where}; {self._completions_stop()}"
+
+    def _completions_stop(self) -> str:
+        """`/v1/completions` with an OpenAI-style stop string: the text ends at the end of the stop string."""
+        body = {"prompt": "1+1=", "max_tokens": 24, "temperature": 0}
+        r = self._post("/v1/completions", body)
+        if r.status_code == 400 and (_error_of(r) or {}).get("field") == "prompt":
+            return "/v1/completions: no tokenizer"
+        expect(r.status_code == 200, f"/v1/completions answered {r.status_code}: {r.text[:300]}")
+        text = r.json()["choices"][0]["text"]
+        start = len(text) // 2
+        stop = text[start:start + 3]
+        if len(text) < 6 or not stop.strip():
+            return f"/v1/completions: text {text!r} too short to cut"
+        r = self._post("/v1/completions", {**body, "stop": stop})
+        expect(r.status_code == 200, f"/v1/completions with stop {stop!r} answered {r.status_code}: {r.text[:300]}")
+        choice = r.json()["choices"][0]
+        want = text[:text.find(stop) + len(stop)]
+        expect(choice["text"] == want and choice["finish_reason"] == "stop",
+               f"/v1/completions with stop {stop!r}: text {choice['text']!r}, finish {choice['finish_reason']!r}; "
+               f"expected {want!r} (the text without stop: {text!r}), stop")
+        return f"/v1/completions text cut after {stop!r}"
+
     def check_queueing(self) -> str:
         n = min(self.info.max_running_seqs + 8, 264)
         with ThreadPoolExecutor(n) as pool, httpx.Client(base_url=self.url, timeout=600,
@@ -373,7 +462,8 @@ class Suite:
         expect(body["usage"]["completion_tokens"] <= 10, "usage.completion_tokens exceeds 2 x max_tokens")
         return ""
 
-    def bad_inputs(self) -> list[tuple[dict, str]]:
+    def bad_inputs(self) -> list[tuple[dict, str | tuple[str, ...]]]:
+        """(body, the field its error must name: one, or a tuple of names any of which will do)."""
         info, p = self.info, self.prompt[:1]
         return [
             ({"prompt_token_ids": []}, "prompt_token_ids"),
@@ -388,6 +478,8 @@ class Suite:
             ({"prompt_token_ids": p, "sampling": {"n": min(info.max_running_seqs + 1, 1025)}}, "sampling.n"),
             ({"prompt_token_ids": p, "sampling": {"stop_token_ids": [info.vocab_size + 10**6]}},
              "sampling.stop_token_ids[0]"),
+            ({"prompt_token_ids": p, "sampling": {"stop": [""]}}, ("sampling.stop[0]", "sampling.stop")),
+            ({"prompt_token_ids": p, "sampling": {"stop": ["x"] * 17}}, "sampling.stop"),
             ({"prompt_token_ids": p, "sampling": {"temprature": 1}}, "sampling.temprature"),
             ({"prompt_token_ids": "hello"}, "prompt_token_ids"),
             ({"prompt_token_ids": p, "extra": True}, "extra"),
@@ -400,7 +492,9 @@ class Suite:
             err = _error_of(r)
             if not 400 <= r.status_code < 500 or err is None:
                 failures.append(f"{_short(body)}: {r.status_code} {r.text[:120]}")
-            elif _norm_field(err.get("field")) != _norm_field(want) or not err.get("message"):
+            elif (_norm_field(err.get("field")) not in {_norm_field(w) for w in (want if isinstance(want, tuple)
+                                                                                 else (want,))}
+                  or not err.get("message")):
                 failures.append(f"{_short(body)}: error.field {err.get('field')!r}, expected {want!r}")
         r = self._post("/v1/generate", content=b"{not json")
         if r.status_code != 400 or _error_of(r) is None:
@@ -615,6 +709,24 @@ def _background(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, result
+
+
+def _stop_candidates(texts: Sequence[str]) -> list[tuple[str, str, int]]:
+    """(stop string, where it ends, the token it ends in) to try, best first, from texts[k] = the first k tokens
+    decoded: strings that end strictly inside a token of several characters (that token's first character), then
+    strings that end at a token boundary. None starts in the first token's text."""
+    first = len(texts[1])
+    inside, boundary = [], []
+    for i in range(1, len(texts) - 1):
+        before, after = texts[i], texts[i + 1]
+        if not after.startswith(before) or "\ufffd" in after[len(before):]:  # tokens appending whole characters
+            continue
+        if len(after) - len(before) >= 2:
+            end = len(before) + 1
+            inside.append((after[max(first, end - 8):end], "inside a token", i))
+        if len(after) > len(before) and i >= len(texts) // 3:
+            boundary.append((after[max(first, len(after) - 8):], "at a token boundary", i))
+    return [c for c in inside + boundary if c[0].strip()]
 
 
 def _error_of(r: httpx.Response) -> dict | None:

@@ -24,8 +24,11 @@ def test_contract_covers_the_required_operations():
                  "/v1/info", "/metrics", "/v1/completions"):
         assert path in paths
     schemas = doc["components"]["schemas"]
-    assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n", "seed"} <= set(
+    assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "stop", "n", "seed"} <= set(
         schemas["SamplingParams"]["properties"])
+    stop = schemas["SamplingParams"]["properties"]["stop"]
+    assert stop["maxItems"] == 16 and stop["items"] == {"type": "string", "minLength": 1, "maxLength": 256}
+    assert "stop" in schemas["CompletionsRequest"]["properties"]
     assert {"token_ids", "logprobs", "versions", "finish_reason"} <= set(schemas["Completion"]["properties"])
     assert {"master_address", "master_port", "rank_offset", "world_size", "backend", "group_name"} <= set(
         schemas["InitWeightUpdateGroupRequest"]["properties"])

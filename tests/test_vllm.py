@@ -70,6 +70,34 @@ def test_conformance_suite_passes(engine, vllm_model_dir):
     assert all(r.status == PASS for r in results), table
 
 
+def test_stop_strings_inside_multi_character_tokens(vllm_imports, tmp_path):
+    """vLLM's own stop strings (`include_stop_str_in_output`) on a tokenizer whose tokens are mostly several
+    characters: the conformance check picks one ending inside a token, and vLLM's tokens already agree with the
+    contract's definition (the front logs a warning wherever it had to enforce it)."""
+    from test_stop_strings import bpe_tokenizer
+
+    model = build_tiny_model(tmp_path / "model", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                             initializer_range=0.2, seed=1234)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (model / f).unlink(missing_ok=True)
+    bpe_tokenizer(100).save_pretrained(model)
+    port, log = free_port(), tmp_path / "vllm.log"
+    cmd = engine_command(str(model), port, engine="vllm",
+                         extra=["--max-model-len", "256", "--max-running-seqs", "4", "--threads", "1"])
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = start_process(cmd, log, env=env)
+    client = EngineClient(f"http://127.0.0.1:{port}")
+    try:
+        client.wait_healthy(timeout_s=400, process=proc)
+        results = run_suite(client.url, str(model), only=["stop_strings"])
+        assert [r.status for r in results] == [PASS], format_table(results) + "\n" + tail(log, 40)
+        assert "inside a token" in results[0].detail, results[0].detail
+        assert "the contract's definition" not in log.read_text(), tail(log, 40)
+    finally:
+        client.close()
+        stop_process(proc, timeout_s=30)
+
+
 def test_partial_update_completes_fused_layers_from_current_weights(engine, vllm_model_dir):
     """vLLM rebuilds a fused q/k/v layer only from what it is given: an update of q_proj alone must keep k and v."""
     ref = Reference(str(vllm_model_dir))

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-CONTRACT_VERSION = "1.0"
+CONTRACT_VERSION = "1.1"
 
 DType = Literal["float32", "bfloat16", "float16"]
 FinishReason = Literal["stop", "length", "abort"]
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+# One stop string: a non-empty string of at most MAX_STOP_STRING_CHARS characters (bounded, so that the engines'
+# per-token check stays cheap)
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
 class _Strict(BaseModel):
@@ -30,6 +36,11 @@ class SamplingParams(_Strict):
     The log-probability reported for a sampled token is log softmax(logits / temperature) at that token
     (temperature 1 when greedy), before top-k and top-p truncation: the trainer can recompute it from the
     same logits, so it serves as the behaviour policy's log-probability.
+
+    Stop strings: generation ends at the first generated token after which the decoded text of the generated
+    tokens (the prompt excluded; decoded with `skip_special_tokens=True`) contains one of `stop`. That token is
+    kept (finish reason `stop`), whole: the text may run past the end of the stop string to the end of that
+    token. See contracts/README.md.
     """
 
     temperature: float = Field(1.0, ge=0.0, le=100.0)
@@ -37,6 +48,9 @@ class SamplingParams(_Strict):
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     max_new_tokens: int = Field(16, ge=1, le=1_000_000)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
+                                   description="stop strings, matched in the decoded generated text; the token "
+                                               "that completes one is kept (needs an engine with a tokenizer)")
     ignore_eos: bool = Field(False, description="if false, the model's EOS token ids also stop generation")
     n: int = Field(1, ge=1, le=1024, description="samples drawn for the prompt")
     seed: int | None = Field(None, ge=0, description="makes sampling reproducible for this request")
@@ -170,6 +184,15 @@ class CompletionsRequest(BaseModel):
     seed: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=1)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
+                                   description="stop strings: one string or a list (OpenAI style); the text ends at "
+                                               "the end of the first one generated, which it includes")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: object) -> object:
+        """OpenAI clients send one stop string as a plain string, or null for none."""
+        return [v] if isinstance(v, str) else [] if v is None else v
 
 
 class CompletionsChoiceLogprobs(BaseModel):

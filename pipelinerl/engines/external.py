@@ -27,6 +27,7 @@ from pipelinerl.contracts.inference import (
     SamplingParams,
 )
 from pipelinerl.engines.server import ContractError, render_metrics
+from pipelinerl.engines.stops import text_through_stop
 
 
 @dataclass
@@ -76,9 +77,14 @@ def load_tokenizer(path: str):
         return None
 
 
-def check_generate(req: GenerateRequest, vocab_size: int, max_model_len: int, max_running_seqs: int) -> int:
-    """Raise the contract's 400 for a request the engine cannot serve; return the tokens it may generate."""
+def check_generate(req: GenerateRequest, vocab_size: int, max_model_len: int, max_running_seqs: int,
+                   tokenizer) -> int:
+    """Raise the contract's 400 for a request the engine cannot serve; return the tokens it may generate.
+    `tokenizer`: the front's (None: stop strings cannot be matched, nor checked)."""
     prompt, params = req.prompt_token_ids, req.sampling
+    if params.stop and tokenizer is None:
+        raise ContractError(400, "sampling.stop: this engine has no tokenizer to match stop strings with; use "
+                                 "sampling.stop_token_ids", "sampling.stop")
     if len(prompt) >= max_model_len:
         raise ContractError(400, f"prompt_token_ids: {len(prompt)} tokens leave no room to generate within the "
                                  f"context of {max_model_len}", "prompt_token_ids")
@@ -129,7 +135,8 @@ def versions_from_spans(spans: Sequence[tuple[int, int, int]] | None, n_tokens: 
 async def completions_via_generate(req: CompletionsRequest, tokenizer, model_name: str,
                                    generate: Callable[[GenerateRequest], Awaitable[GenerateResponse]]
                                    ) -> CompletionsResponse:
-    """OpenAI-style text completions served through the contract's `generate` (tokenize, generate, decode)."""
+    """OpenAI-style text completions served through the contract's `generate` (tokenize, generate, decode). The
+    tokens are the contract's (a stop string's last token kept whole); the text is cut at the stop string's end."""
     import asyncio
 
     if tokenizer is None:
@@ -138,7 +145,8 @@ async def completions_via_generate(req: CompletionsRequest, tokenizer, model_nam
     if not prompts:
         raise ContractError(400, "prompt: must not be empty", "prompt")
     params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                            max_new_tokens=req.max_tokens, n=req.n, seed=req.seed, stop_token_ids=req.stop_token_ids)
+                            max_new_tokens=req.max_tokens, n=req.n, seed=req.seed, stop_token_ids=req.stop_token_ids,
+                            stop=req.stop)
     encoded = [tokenizer.encode(p) for p in prompts]
     for i, ids in enumerate(encoded):
         if not ids:
@@ -152,8 +160,11 @@ async def completions_via_generate(req: CompletionsRequest, tokenizer, model_nam
             if req.logprobs is not None:
                 lp = CompletionsChoiceLogprobs(tokens=tokenizer.convert_ids_to_tokens(c.token_ids),
                                                token_logprobs=c.logprobs)
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            if c.finish_reason == "stop" and req.stop:  # the text ends where the stop string does
+                text = text_through_stop(text, req.stop)
             choices.append(CompletionsChoice(index=len(choices), finish_reason=c.finish_reason, logprobs=lp,
-                                             text=tokenizer.decode(c.token_ids, skip_special_tokens=True)))
+                                             text=text))
             completion_tokens += len(c.token_ids)
     prompt_tokens = sum(len(e) for e in encoded)
     return CompletionsResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),

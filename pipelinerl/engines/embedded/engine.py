@@ -27,11 +27,8 @@ import torch
 
 from pipelinerl.contracts.inference import (
     Completion,
-    CompletionsChoice,
-    CompletionsChoiceLogprobs,
     CompletionsRequest,
     CompletionsResponse,
-    CompletionsUsage,
     GenerateRequest,
     GenerateResponse,
     InfoResponse,
@@ -48,7 +45,9 @@ from pipelinerl.engines.embedded.receiver import Receiver, ReceiverDied, Setup, 
 from pipelinerl.engines.embedded.sampling import SamplingBatch, sample_batch
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
 from pipelinerl.engines.embedded.transpose import UpdateCopies
+from pipelinerl.engines.external import completions_via_generate
 from pipelinerl.engines.server import ContractError, render_metrics
+from pipelinerl.engines.stops import StopStrings, StopTokenizer, StopWatch
 from pipelinerl.weight_sync import (
     DTYPE_NAMES,
     DTYPES,
@@ -84,6 +83,7 @@ class _Request:
     params: SamplingParams
     max_new: int
     stop: frozenset[int]
+    stop_strings: StopStrings | None
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     seqs: list[_Seq] = field(default_factory=list)
@@ -101,6 +101,7 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
+    watch: StopWatch | None = None  # only for a request with stop strings
 
     @property
     def length(self) -> int:
@@ -173,6 +174,8 @@ class EmbeddedEngine:
         self.model_name = model_name
         self.settings = settings
         self.tokenizer = tokenizer
+        # stop strings are matched on the engine thread, with what it needs of the tokenizer worked out once
+        self._stop_tokenizer = StopTokenizer(tokenizer) if tokenizer is not None else None
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self._cpus = cpus or CpuSplit()  # where decoding and receiving run (cpus.py); default: anywhere
         self.runner = make_runner(model, settings.max_running_seqs, settings.max_model_len,
@@ -243,37 +246,7 @@ class EmbeddedEngine:
             self._cv.notify()
 
     async def completions(self, req: CompletionsRequest) -> CompletionsResponse:
-        if self.tokenizer is None:
-            raise ContractError(400, "this engine has no tokenizer; use /v1/generate with token ids", "prompt")
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if not prompts:
-            raise ContractError(400, "prompt: must not be empty", "prompt")
-        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                max_new_tokens=req.max_tokens, n=req.n, seed=req.seed,
-                                stop_token_ids=req.stop_token_ids)
-        encoded = [self.tokenizer.encode(p) for p in prompts]
-        for i, ids in enumerate(encoded):
-            if not ids:
-                raise ContractError(400, f"prompt[{i}]: encodes to no tokens", f"prompt[{i}]")
-        results = await asyncio.gather(*(self.generate(GenerateRequest(prompt_token_ids=ids, sampling=params))
-                                         for ids in encoded))
-        choices, completion_tokens = [], 0
-        for res in results:
-            for c in res.completions:
-                lp = None
-                if req.logprobs is not None:
-                    lp = CompletionsChoiceLogprobs(tokens=self.tokenizer.convert_ids_to_tokens(c.token_ids),
-                                                   token_logprobs=c.logprobs)
-                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                choices.append(CompletionsChoice(index=len(choices), text=text, finish_reason=c.finish_reason,
-                                                 logprobs=lp))
-                completion_tokens += len(c.token_ids)
-        prompt_tokens = sum(len(e) for e in encoded)
-        return CompletionsResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()),
-                                   model=req.model or self.model_name, choices=choices,
-                                   usage=CompletionsUsage(prompt_tokens=prompt_tokens,
-                                                          completion_tokens=completion_tokens,
-                                                          total_tokens=prompt_tokens + completion_tokens))
+        return await completions_via_generate(req, self.tokenizer, self.model_name, self.generate)
 
     async def abort(self, request_id: str | None) -> list[str]:
         with self._cv:
@@ -427,9 +400,15 @@ class EmbeddedEngine:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= self.eos_ids
+        stop_strings = None
+        if params.stop:
+            if self._stop_tokenizer is None:
+                raise ContractError(400, "sampling.stop: this engine has no tokenizer to match stop strings with; "
+                                         "use sampling.stop_token_ids", "sampling.stop")
+            stop_strings = StopStrings(params.stop, self._stop_tokenizer)
         loop = asyncio.get_running_loop()
         return _Request(id=request_id or uuid.uuid4().hex, prompt=list(prompt), params=params, max_new=max_new,
-                        stop=frozenset(stop), loop=loop, future=loop.create_future())
+                        stop=frozenset(stop), stop_strings=stop_strings, loop=loop, future=loop.create_future())
 
     def _check_update(self, params: list[ParamSpec]) -> tuple[str, str] | None:
         """(field, message) of the first mismatch between the update and the model, or None."""
@@ -676,7 +655,8 @@ class EmbeddedEngine:
         for req in batch:
             head = first + len(seqs)
             heads.append(head)
-            req.seqs = [_Seq(req, head + i, -1, self._generator(req.params, i)) for i in range(req.params.n)]
+            req.seqs = [_Seq(req, head + i, -1, self._generator(req.params, i),
+                             watch=req.stop_strings.watch() if req.stop_strings else None) for i in range(req.params.n)]
             seqs.extend(req.seqs)
         logits = self.runner.prefill_batch(heads, [req.prompt for req in batch])
         self.metrics.admissions += 1
@@ -748,6 +728,8 @@ class EmbeddedEngine:
             s.last_token = t
             if t in s.req.stop:
                 s.finish = "stop"
+            elif s.watch is not None and s.req.stop_strings.hit(s.tokens, s.watch):
+                s.finish = "stop"  # before length: a stop string completed by the last allowed token is a stop
             elif len(s.tokens) >= s.req.max_new:
                 s.finish = "length"
             if s.finish:

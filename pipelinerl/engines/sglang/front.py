@@ -14,6 +14,10 @@ Where it differs from the contract, because SGLang's endpoints do not allow more
 - Per-token versions come from `meta_info.weight_versions` spans when the server reports them; otherwise every
   token of a request carries `meta_info.weight_version` (exact only for requests no update overlapped).
 - `n > 1` is sent as n requests (seeds seed, seed+1, ...), so samples of one prompt do not share its prefill.
+- Stop strings go to SGLang as `stop` with `no_stop_trim`; SGLang matches them in a window of the stop string's
+  own token count + 1 decoded with special tokens, and finishes with `length` when the last allowed token
+  completes one, so the front enforces the contract's definition on what comes back (`stops.apply_stop`): tokens
+  after the one that completed a stop string are dropped, and that completion ends with `stop`.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pipelinerl.contracts.inference import (
     GenerateResponse,
     InfoResponse,
     InitWeightUpdateGroupRequest,
+    SamplingParams,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     WeightsChecksumResponse,
@@ -49,6 +54,7 @@ from pipelinerl.engines.external import (
     versions_from_spans,
 )
 from pipelinerl.engines.server import ContractError
+from pipelinerl.engines.stops import apply_stop
 
 
 @dataclass
@@ -84,7 +90,7 @@ class SGLangBackend:
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         s = self.settings
-        max_new = check_generate(req, self.facts.vocab_size, s.max_model_len, s.max_running_seqs)
+        max_new = check_generate(req, self.facts.vocab_size, s.max_model_len, s.max_running_seqs, self.tokenizer)
         rid = req.request_id or uuid.uuid4().hex
         if rid in self._in_flight:
             raise ContractError(409, f"request_id {rid!r} is already running", "request_id")
@@ -95,13 +101,11 @@ class SGLangBackend:
         start_version, tokens = self.version, 0
         try:
             bodies = [{"rid": r, "input_ids": req.prompt_token_ids, "return_logprob": True,
-                       "sampling_params": {"temperature": p.temperature, "top_p": p.top_p,
-                                           "top_k": p.top_k if p.top_k > 0 else -1, "max_new_tokens": max_new,
-                                           "stop_token_ids": p.stop_token_ids, "ignore_eos": p.ignore_eos,
-                                           **({"sampling_seed": p.seed + i} if p.seed is not None else {})}}
-                      for i, r in enumerate(rids)]
+                       "sampling_params": self._sampling_params(p, max_new, i)} for i, r in enumerate(rids)]
             responses = await asyncio.gather(*(self.http.post("/generate", json=b) for b in bodies))
             completions = [self._completion(r, start_version) for r in responses]
+            if p.stop:
+                completions = [apply_stop(c, self.tokenizer, p.stop) for c in completions]
             tokens = sum(len(c.token_ids) for c in completions)
             return GenerateResponse(request_id=rid, prompt_len=len(req.prompt_token_ids), completions=completions)
         except asyncio.CancelledError:
@@ -110,6 +114,20 @@ class SGLangBackend:
         finally:
             self._in_flight.pop(rid, None)
             self.metrics.request_ended(tokens)
+
+    @staticmethod
+    def _sampling_params(p: SamplingParams, max_new: int, sample: int) -> dict[str, Any]:
+        """SGLang's `sampling_params` for sample `sample` of a request (sglang/srt/sampling/sampling_params.py)."""
+        out: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
+                               "max_new_tokens": max_new, "stop_token_ids": p.stop_token_ids,
+                               "ignore_eos": p.ignore_eos}
+        if p.seed is not None:
+            out["sampling_seed"] = p.seed + sample
+        if p.stop:
+            # no_stop_trim: the text keeps the stop string (the tokens are never trimmed); skip_special_tokens is
+            # SGLang's default, stated because the contract decodes that way
+            out.update(stop=p.stop, no_stop_trim=True, skip_special_tokens=True)
+        return out
 
     def _completion(self, resp: httpx.Response, start_version: int) -> Completion:
         body = json_body(resp)

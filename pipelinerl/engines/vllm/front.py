@@ -48,6 +48,7 @@ from pipelinerl.engines.external import (
     versions_from_spans,
 )
 from pipelinerl.engines.server import ContractError
+from pipelinerl.engines.stops import apply_stop
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class VLLMBackend:
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         s = self.settings
-        max_new = check_generate(req, self.facts.vocab_size, s.max_model_len, s.max_running_seqs)
+        max_new = check_generate(req, self.facts.vocab_size, s.max_model_len, s.max_running_seqs, self.tokenizer)
         rid = req.request_id or uuid.uuid4().hex
         if rid in self._in_flight:
             raise ContractError(409, f"request_id {rid!r} is already running", "request_id")
@@ -107,6 +108,11 @@ class VLLMBackend:
                 "sampling_params": {"n": p.n, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
                                     "seed": p.seed, "max_tokens": max_new, "stop_token_ids": p.stop_token_ids,
                                     "ignore_eos": p.ignore_eos, "logprobs": 0, "detokenize": False}}
+        if p.stop:
+            # vLLM matches stop strings in the text it detokenizes (skipping special tokens) and keeps the token
+            # that completed one, dropping any generated after it in the same step (vllm/v1/engine/detokenizer.py)
+            body["sampling_params"].update(stop=p.stop, include_stop_str_in_output=True, detokenize=True,
+                                           skip_special_tokens=True)
         start_version = self.version
         self._in_flight.add(rid)
         self.metrics.request_started()
@@ -114,6 +120,8 @@ class VLLMBackend:
         try:
             resp = await self.http.post("/inference/v1/generate", json=body)
             out = self._parse_generate(rid, len(req.prompt_token_ids), p.n, resp, start_version)
+            if p.stop:
+                out.completions = [self._enforce_stop(c, p.stop) for c in out.completions]
             tokens = sum(len(c.token_ids) for c in out.completions)
             return out
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
@@ -147,6 +155,17 @@ class VLLMBackend:
             completions.append(Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason,
                                           versions=versions_from_spans(spans, len(token_ids), start_version)))
         return GenerateResponse(request_id=rid, prompt_len=prompt_len, completions=completions)
+
+    def _enforce_stop(self, c: Completion, stops: list[str]) -> Completion:
+        """The contract's stop-string definition on vLLM's completion. vLLM does the same itself, but decodes the
+        output in the prompt's context (its DecodeStream is primed with the prompt) where the contract decodes the
+        output alone: where the two differ (a leading space, a character split across the prompt's end), the
+        contract decides, and the log says so."""
+        fixed = apply_stop(c, self.tokenizer, stops)
+        if fixed is not c:
+            log.warning("stop strings %r: vLLM returned %d tokens (%s), the contract's definition %d (stop)", stops,
+                        len(c.token_ids), c.finish_reason, len(fixed.token_ids))
+        return fixed
 
     async def completions(self, req: CompletionsRequest) -> CompletionsResponse:
         return await completions_via_generate(req, self.tokenizer, self.model_name, self.generate)

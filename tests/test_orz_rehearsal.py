@@ -1,0 +1,71 @@
+"""The CPU rehearsal of the Open-Reasoner-Zero path (recipes/orz_cpu.yaml): problems read from files in ORZ's
+formats, ORZ's prompt template, stop strings ending generations at `</answer>` (kept, finish_reason "stop"),
+the ORZ reward, per-benchmark evaluation with its own sampling settings, plots; and the reward rises."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from pipelinerl.tasks.synthetic_math import write_synthetic_orz
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _samples(run_dir: Path) -> list[dict]:
+    rows = []
+    for path in sorted((run_dir / "streams").rglob("*.jsonl")):
+        if "samples" not in str(path):
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows.extend(r for r in (record.get("data", record),) if isinstance(r, dict) and "output_token_ids" in r)
+    return rows
+
+
+@pytest.mark.slow
+def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path):
+    data = tmp_path / "data"
+    write_synthetic_orz(data)
+    run_dir = tmp_path / "orz"
+    cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(ROOT / "recipes" / "orz_cpu.yaml"),
+           f"run_dir={run_dir}", f"task.train_data=[{data}/train.json]",
+           f"task.eval_data=[{data}/eval/add.json,{data}/eval/sub.json,{data}/eval/choice.json]"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "reward_mean" in row]
+    evals = [row for row in rows if "eval_accuracy" in row]
+
+    # generations end at the stop string "</answer>", which stays in the output, with finish_reason "stop"
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "base_model")
+    samples = _samples(run_dir)
+    assert len(samples) >= 64
+    stopped = [s for s in samples if s["finish_reason"] == "stop"]
+    assert len(stopped) >= 0.8 * len(samples), "most generations should end at a stop string"
+    texts = [tokenizer.decode(s["output_token_ids"], skip_special_tokens=True) for s in stopped]
+    at_answer = [t for t in texts if t.rstrip().endswith("</answer>") and t.count("</answer>") == 1]
+    assert len(at_answer) >= 0.9 * len(stopped), texts[:5]
+    assert all(len(s["behav_logprobs"]) == len(s["versions"]) == len(s["output_token_ids"]) for s in stopped)
+
+    # reward rises (ORZ's: 1 for a correct \boxed{} in the <answer> block of an output that stopped)
+    first = sum(row["reward_mean"] for row in steps[:15]) / 15
+    last = sum(row["reward_mean"] for row in steps[-15:]) / 15
+    assert last > first + 0.1, f"reward {first:.3f} -> {last:.3f}"
+
+    # per-benchmark evaluation, before and after, with the mean over benchmarks
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == steps[-1]["step"]
+    for bench in ("add", "sub", "choice"):
+        assert any(key.startswith(f"eval_{bench}_") for key in evals[-1]), sorted(evals[-1])
+    assert evals[-1]["eval_accuracy"] > evals[0]["eval_accuracy"]
+    eval_files = sorted((run_dir / "eval").glob("step_*.md"))
+    assert eval_files and "add" in eval_files[-1].read_text()
+    assert (run_dir / "curves_time.png").exists()
