@@ -68,9 +68,10 @@ def unsharded(tiny_model_dir):
 def run_sharded(mode: str, model_dir: Path, engine_url: str, tmp_path: Path) -> dict:
     out = tmp_path / "sharded.pt"
     script = [str(Path(__file__).resolve()), mode, str(model_dir), engine_url, str(out)]
-    if mode == "deepspeed":
+    if mode.startswith("deepspeed"):
+        config = {"deepspeed": "deepspeed_zero3.yaml", "deepspeed_offload": "deepspeed_zero3_offload.yaml"}[mode]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               "launch/accelerate/deepspeed_zero3.yaml", "--num_processes", "2", "--main_process_port",
+               f"launch/accelerate/{config}", "--num_processes", "2", "--main_process_port",
                str(free_port()), *script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script]
@@ -142,6 +143,16 @@ def test_deepspeed_zero3_on_cpu_matches_unsharded_and_reaches_engine(tiny_model_
     check_against_unsharded(got, unsharded, engine)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (pip install deepspeed; the `gpu` extra has it)")
+def test_deepspeed_zero3_optimizer_offload_matches_unsharded(tiny_model_dir, engine, unsharded, tmp_path):
+    """launch/accelerate/deepspeed_zero3_offload.yaml (what `pipelinerl plan` suggests when the optimizer state
+    does not fit): DeepSpeed takes the trainer's torch AdamW over the offloaded state, and training is the same."""
+    got = run_sharded("deepspeed_offload", tiny_model_dir, engine.url, tmp_path)
+    assert got["distributed_type"] == "DEEPSPEED" and got["is_zero3"] and got["offload_optimizer"]
+    check_against_unsharded(got, unsharded, engine)
+
+
 def test_fsdp2_on_cpu_matches_unsharded_and_reaches_engine(tiny_model_dir, engine, unsharded, tmp_path):
     got = run_sharded("fsdp", tiny_model_dir, engine.url, tmp_path)
     assert got["distributed_type"] == "FSDP"
@@ -205,12 +216,20 @@ def worker(mode: str, model_dir: str, engine_url: str, out: str) -> None:
     if trainer.accelerator.is_main_process:
         torch.save({"params": params, "stats": stats, "broadcast_version": broadcast.version,
                     "world": trainer.accelerator.num_processes, "is_zero3": trainer.is_zero3,
+                    "offload_optimizer": _offloads_optimizer(trainer),
                     "distributed_type": trainer.accelerator.distributed_type.name,
                     "local_numel": sum(shards), "full_numel": sum(t.numel() for t in params.values()),
                     "export": str(work / "export"), "restored": restored, "next": (next_stats, next_params),
                     "resumed": (resumed_stats, resumed_params)}, out)
         group.destroy()
     trainer.close()
+
+
+def _offloads_optimizer(trainer: Trainer) -> bool:
+    if not trainer.is_deepspeed:
+        return False
+    zero = trainer.accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    return (zero.get("offload_optimizer") or {}).get("device") == "cpu"
 
 
 def gathered(trainer: Trainer) -> dict[str, torch.Tensor]:
