@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_arguments(srv)
     srv.set_defaults(func=_serve)
 
-    ev = sub.add_parser("eval", help="evaluate a model: pass@1 over k samples and pass@k",
+    ev = sub.add_parser("eval", help="evaluate a model: avg@k and pass@k per benchmark, and their mean",
                         description="Evaluate a model served by any engine on a task or dataset.")
     from pipelinerl import eval as evaluation
 
@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_plan)
 
     plot = sub.add_parser("plot", help="PNG curves of one or more runs",
-                          description="Write curves_step.png and curves_time.png from RUN_DIR/metrics.jsonl.")
+                          description="Write curves_step.png and curves_time.png (and eval_benchmarks.png, one curve "
+                                      "per evaluation benchmark, when there are several) from RUN_DIR/metrics.jsonl.")
     plot.add_argument("run_dirs", nargs="+", help="run directories; several overlay")
     plot.add_argument("--out", default=None, help="output directory (default: the first run directory)")
     plot.set_defaults(func=_plot)
