@@ -134,12 +134,7 @@ def plot_benchmarks(runs: dict[str, list[dict]], out_png: str | Path) -> Path | 
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out_png)
 
 
 def plot_comparison(run_dirs: dict[str, str | Path], out_png: str | Path) -> Path:
@@ -163,6 +158,13 @@ def plot_comparison(run_dirs: dict[str, str | Path], out_png: str | Path) -> Pat
             ax.set_xlabel(x_label)
             ax.grid(alpha=0.3)
             ax.legend()
+    return _save(fig, out_png)
+
+
+def _save(fig, out_png: str | Path) -> Path:
+    """Write a figure as PNG (making its folder) and free it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
