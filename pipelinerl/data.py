@@ -60,7 +60,6 @@ class DataFile:
     remote: str  # path in ORZ's repository at ORZ_COMMIT
     sha256: str = ""  # pinned sha256 of the content, or
     git_blob: str = ""  # pinned git blob id: sha1(b"blob <size>\0" + content)
-    size: int | None = None  # bytes, where known
 
     @property
     def name(self) -> str:
@@ -76,11 +75,11 @@ ORZ_FILES: tuple[DataFile, ...] = (
              git_blob="692af2e8184c5a5ec6e9161abd89cdf561a1cb71"),
     DataFile("orz_math_13k_collection_hard.json", "data/orz_math_13k_collection_hard.json",
              git_blob="136948e32ffd26e3988f9b9fc7be30b5626619bb"),
-    DataFile("eval/aime2024.json", "data/eval_data/aime2024.json", size=14741,
+    DataFile("eval/aime2024.json", "data/eval_data/aime2024.json",
              sha256="ef02255e61539115f6274a0765ff10076df416db5f90d41500d472cb5184e560"),
-    DataFile("eval/math500.json", "data/eval_data/math500.json", size=183569,
+    DataFile("eval/math500.json", "data/eval_data/math500.json",
              sha256="236bd0cc329ee3efaf045a150e6473e4f420e7e7e17051a4e77a1f2688599e63"),
-    DataFile("eval/gpqa_diamond.json", "data/eval_data/gpqa_diamond.json", size=200369,
+    DataFile("eval/gpqa_diamond.json", "data/eval_data/gpqa_diamond.json",
              sha256="0cc1a9474957fa91ea5d6e9a901cab528576cddcd639ffb51240a77bab7678e2"),
 )
 

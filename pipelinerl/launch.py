@@ -68,11 +68,11 @@ def prepare_model(cfg: RunConfig) -> Path:
     print(f"building a tiny model in {path} (seed {cfg.seed})")
     torch.set_num_threads(max(1, cfg.engine.threads + cfg.trainer.threads))
     task = task_from_config(t)
+    target = getattr(task, "target", None)  # the warm-up's supervised answers, where the task has them
     tokenizer = None
     if m.tiny_tokenizer == "bpe":
         from pipelinerl.models.tiny import build_bpe_tokenizer
 
-        target = getattr(task, "target", None)
         texts = [task.prompt(p) + (target(p) if target and m.warmup_steps else "") for p in task.train_problems()]
         tokenizer = build_bpe_tokenizer(texts, m.tiny_vocab_size)
     build_tiny_model(path, hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers, seed=cfg.seed,
@@ -80,7 +80,6 @@ def prepare_model(cfg: RunConfig) -> Path:
     if m.warmup_steps > 0:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        target = getattr(task, "target", None)
         if target is None:
             raise ConfigError(f"model.warmup_steps: task {t.name!r} has no supervised targets; set it to 0")
         examples = [(task.prompt(p), target(p)) for p in task.train_problems()]

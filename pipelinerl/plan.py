@@ -172,8 +172,8 @@ def tiny_shape(cfg: RunConfig) -> ModelShape:
 
     m = cfg.model
     defaults = {k: p.default for k, p in inspect.signature(tiny.build_tiny_model).parameters.items()}
-    if getattr(m, "tiny_tokenizer", "char") == "bpe":
-        vocab = int(getattr(m, "tiny_vocab_size", 1024))
+    if m.tiny_tokenizer == "bpe":
+        vocab = m.tiny_vocab_size
     else:
         vocab = len(tiny.SPECIAL_TOKENS) + len(dict.fromkeys(tiny.CHARACTERS))
     h = m.tiny_hidden_size
@@ -323,8 +323,7 @@ class TrainerMemory:
     overhead: int
     host: tuple[Line, ...]  # offloaded state, in host RAM
     checkpointing: bool
-    activations_full: int  # every layer's activations for one micro-batch (no checkpointing)
-    activations_checkpointed: int  # checkpoints plus one recomputed layer
+    activations_checkpointed: int  # checkpoints plus the larger of the logits and one recomputed layer
 
     @property
     def state_bytes(self) -> int:
@@ -378,10 +377,10 @@ def trainer_memory(shape: ModelShape, cfg: RunConfig, sharding: Sharding, main: 
 
     p_label = "bf16" if pb == 2 else "fp32"
     params = Line("parameters", share(N * pb, div_p), f"{p_label}, {pb} B/param" + (f" / {n}" if div_p else ""))
-    g_bytes = pb if sharding.deepspeed else 4
     ddp_buckets = sharding.kind == "ddp" and n > 1
-    grads = Line("gradients", share(N * g_bytes * (2 if ddp_buckets else 1), div_g),
-                 f"{p_label if sharding.deepspeed else 'fp32'}, {g_bytes} B/param" + (f" / {n}" if div_g else "")
+    # gradients in the parameters' dtype: ZeRO accumulates in the model dtype, the others keep fp32 weights
+    grads = Line("gradients", share(N * pb * (2 if ddp_buckets else 1), div_g),
+                 f"{p_label}, {pb} B/param" + (f" / {n}" if div_g else "")
                  + (", plus DDP's reducer buckets (x2)" if ddp_buckets else ""))
     o_bytes = 12 if ds_bf16 else 8
     optim = Line("optimizer", share(N * o_bytes, div_o),
@@ -389,9 +388,9 @@ def trainer_memory(shape: ModelShape, cfg: RunConfig, sharding: Sharding, main: 
                  + (f" / {n}" if div_o else ""))
     state: list[Line] = []
     host: list[Line] = []
-    fsdp_offload = sharding.kind == "fsdp" and sharding.offload_params
-    for line, offloaded in ((params, sharding.offload_params), (grads, sharding.offload_optimizer or fsdp_offload),
-                            (optim, sharding.offload_optimizer or fsdp_offload)):
+    # FSDP's fsdp_offload_params sets both flags (detect_sharding): parameters, gradients and optimizer move
+    for line, offloaded in ((params, sharding.offload_params), (grads, sharding.offload_optimizer),
+                            (optim, sharding.offload_optimizer)):
         if offloaded:
             if line is grads and sharding.deepspeed:  # ZeRO-Offload keeps fp32 gradient partitions for CPU Adam
                 line = Line("gradients", share(N * 4, True), f"fp32, 4 B/param / {n}")
@@ -409,12 +408,12 @@ def trainer_memory(shape: ModelShape, cfg: RunConfig, sharding: Sharding, main: 
     checkpoints = (shape.num_layers + 2) * T * shape.hidden_size * pb
     everything = shape.num_layers * layer + 2 * T * shape.hidden_size * pb
     logits = LOGIT_BYTES * T * shape.vocab_size
+    full, checkpointed = everything + logits, checkpoints + max(layer, logits)
     ckpt = t.gradient_checkpointing or sharding.activation_checkpointing
     training: list[Line] = []
     if ckpt:
-        off = _gib(everything + logits)
         training.append(Line("activations", checkpoints, f"checkpointing on: {shape.num_layers + 2} hidden states x "
-                                                         f"{T} tokens (off: {off} GiB with logits)"))
+                                                         f"{T} tokens (off: {_gib(full)} GiB with logits)"))
         if layer > logits:
             training.append(Line("recomputed layer", layer, f"one layer's activations, larger than the logits "
                                                             f"({_gib(logits)} GiB)"))
@@ -423,7 +422,7 @@ def trainer_memory(shape: ModelShape, cfg: RunConfig, sharding: Sharding, main: 
                                                    f"(then one recomputed layer, {_gib(layer)} GiB)"))
     else:
         training.append(Line("activations", everything, f"checkpointing off: {shape.num_layers} layers x {T} tokens "
-                                                        f"(on: {_gib(checkpoints + max(layer, logits))} GiB)"))
+                                                        f"(on: {_gib(checkpointed)} GiB)"))
         training.append(Line("logits", logits, f"{LOGIT_BYTES} B x {T} tokens x {shape.vocab_size} vocab"))
     if t.attn_implementation in ("sdpa", "eager"):
         mask_bytes = 1 + (pb if eager else c)
@@ -456,8 +455,7 @@ def trainer_memory(shape: ModelShape, cfg: RunConfig, sharding: Sharding, main: 
         if bucket:
             broadcast.append(pack)
     return TrainerMemory(tuple(state), tuple(training), tuple(broadcast),
-                         int(TRAINER_OVERHEAD_GIB * GIB) if on_gpu else 0, tuple(host), ckpt,
-                         everything + logits, checkpoints + max(layer, logits))
+                         int(TRAINER_OVERHEAD_GIB * GIB) if on_gpu else 0, tuple(host), ckpt, checkpointed)
 
 
 @dataclass(frozen=True)
@@ -503,7 +501,7 @@ def engine_memory(shape: ModelShape, cfg: RunConfig, gpu_bytes: int) -> EngineMe
         overhead = engine_overhead(shape, cfg) if gpu_bytes else 0
         return EngineMemory(e.kind, weights + overhead + kv * e.max_batch_tokens, weights, overhead, kv,
                             e.max_model_len, f"KV for engine.max_batch_tokens {e.max_batch_tokens}")
-    util = float(getattr(e, "gpu_memory_utilization", 0.9))
+    util = e.gpu_memory_utilization
     return EngineMemory(e.kind, int(util * gpu_bytes), weights, engine_overhead(shape, cfg), kv, e.max_model_len,
                         f"engine.gpu_memory_utilization {util:g} x {_gib(gpu_bytes)} GiB")
 
@@ -581,15 +579,21 @@ def place(cfg: RunConfig, cluster: Cluster) -> list[NodePlan]:
             for rank in range(cluster.nodes)]
 
 
-def make_plan(cfg: RunConfig, cluster: Cluster, sharding: Sharding | None = None, suggest: bool = True) -> Plan:
+def make_plan(cfg: RunConfig, cluster: Cluster) -> Plan:
     """The whole plan: placement, memory per GPU, problems, warnings and (when it does not fit) suggestions.
-    Raises ConfigError for a recipe that cannot be placed at all. `sharding` overrides the detected one (the
-    suggestions try configs that do not exist as files)."""
-    shape = model_shape(cfg)
-    sharding = sharding or detect_sharding(cfg)
+    Raises ConfigError for a recipe that cannot be placed at all."""
+    plan = _plan(cfg, cluster, model_shape(cfg), detect_sharding(cfg))
+    if plan.on_gpu and not plan.fits:
+        plan.suggestions = suggestions(cfg, plan)
+    return plan
+
+
+def _plan(cfg: RunConfig, cluster: Cluster, shape: ModelShape, sharding: Sharding) -> Plan:
+    """The plan without suggestions, for a shape and sharding worked out once (the suggestions try shardings
+    whose configs do not exist as files)."""
     nodes = place(cfg, cluster)
     on_gpu = cluster.gpus_per_node > 0
-    colocated = on_gpu and bool(getattr(cfg.engine, "colocate_with_trainer", False))
+    colocated = on_gpu and cfg.engine.colocate_with_trainer
     main = trainer_memory(shape, cfg, sharding, main=True, on_gpu=on_gpu)
     other = trainer_memory(shape, cfg, sharding, main=False, on_gpu=on_gpu) if sharding.ranks > 1 else None
     has_engines = any(n.engines for n in nodes)
@@ -598,8 +602,6 @@ def make_plan(cfg: RunConfig, cluster: Cluster, sharding: Sharding | None = None
     plan = Plan(cluster, shape, sharding, nodes, main, other, engine, gpus, colocated)
     if on_gpu:
         _check(plan)
-        if suggest and not plan.fits:
-            plan.suggestions = suggestions(cfg, cluster, plan)
     return plan
 
 
@@ -667,9 +669,11 @@ def _variant(cfg: RunConfig, **sections: dict[str, Any]) -> RunConfig:
     return dataclasses.replace(cfg, **changed)
 
 
-def _try(cfg: RunConfig, cluster: Cluster, sharding: Sharding | None = None) -> Plan | None:
+def _try(base: Plan, cfg: RunConfig, sharding: Sharding, **sections: dict[str, Any]) -> Plan | None:
+    """`base`'s recipe with some keys changed (see _variant) and `sharding`, planned on the same cluster and model;
+    None if the change is not a valid config or cannot be placed."""
     try:
-        return make_plan(cfg, cluster, sharding, suggest=False)
+        return _plan(_variant(cfg, **sections), base.cluster, base.shape, sharding)
     except ConfigError:
         return None
 
@@ -690,17 +694,17 @@ OFFLOAD_TEXT = ("DeepSpeed ZeRO-3 with {what} offloaded to CPU (trainer.accelera
                 "the trainer builds torch AdamW)")
 
 
-def suggestions(cfg: RunConfig, cluster: Cluster, plan: Plan) -> list[Suggestion]:
+def suggestions(cfg: RunConfig, plan: Plan) -> list[Suggestion]:
     """Changes that make the recipe fit, each tried by planning again: single trainer changes (with what each
     saves), all of them together in order when none is enough alone, the engine's share when engines share the
     trainer's GPUs, engine changes when an engine has no KV room, and the GPU memory that fits it as it is."""
     out: list[Suggestion] = []
-    e = cfg.engine
-    util = float(getattr(e, "gpu_memory_utilization", 0.9))
+    cluster, e = plan.cluster, cfg.engine
+    util = e.gpu_memory_utilization
     if not plan.trainer_fits:
-        options = _trainer_options(cfg, cluster, plan)
+        options = _trainer_options(cfg, plan)
         for option in options:
-            tried = _try(_variant(cfg, **option.sections), cluster, option.sharding)
+            tried = _try(plan, cfg, option.sharding, **option.sections)
             if tried is None or tried.trainer_main.total >= plan.trainer_main.total:
                 continue
             saved = plan.trainer_main.total - tried.trainer_main.total
@@ -709,13 +713,13 @@ def suggestions(cfg: RunConfig, cluster: Cluster, plan: Plan) -> list[Suggestion
                                                   + ("" if tried.trainer_fits else ", not enough alone"),
                                   tried.fits))
         if options and not any(s.enough for s in out):
-            combined = _combined(cfg, cluster, plan, options)
+            combined = _combined(cfg, plan, options)
             if combined is not None:
                 out.append(combined)
         if plan.colocated and plan.engine is not None:
             lower = math.floor((cluster.gpu_bytes - plan.trainer_main.total) / cluster.gpu_bytes * 100) / 100
             if 0 < lower < util:
-                tried = _try(_variant(cfg, engine={"gpu_memory_utilization": lower}), cluster, plan.sharding)
+                tried = _try(plan, cfg, plan.sharding, engine={"gpu_memory_utilization": lower})
                 if tried is not None and tried.engine is not None and tried.engine.sequences >= 1:
                     out.append(Suggestion({"engine.gpu_memory_utilization": lower},
                                           f"engine.gpu_memory_utilization={lower:g}: the engine leaves the trainer "
@@ -724,7 +728,7 @@ def suggestions(cfg: RunConfig, cluster: Cluster, plan: Plan) -> list[Suggestion
     eng = plan.engine
     if eng is not None and eng.sequences < 1 and e.kind != "embedded":
         if util < 0.95 and not plan.colocated:
-            tried = _try(_variant(cfg, engine={"gpu_memory_utilization": 0.95}), cluster, plan.sharding)
+            tried = _try(plan, cfg, plan.sharding, engine={"gpu_memory_utilization": 0.95})
             if tried is not None and tried.engine is not None and tried.engine.sequences >= 1:
                 out.append(Suggestion({"engine.gpu_memory_utilization": 0.95},
                                       f"engine.gpu_memory_utilization=0.95: KV room for {tried.engine.sequences} "
@@ -743,10 +747,10 @@ def suggestions(cfg: RunConfig, cluster: Cluster, plan: Plan) -> list[Suggestion
     return out
 
 
-def _trainer_options(cfg: RunConfig, cluster: Cluster, plan: Plan) -> list[_Option]:
+def _trainer_options(cfg: RunConfig, plan: Plan) -> list[_Option]:
     """Single changes that shrink a trainer GPU's memory, in the order they are combined: the cheapest first."""
     t, e = cfg.trainer, cfg.engine
-    sharding = plan.sharding
+    cluster, sharding = plan.cluster, plan.sharding
     options: list[_Option] = []
 
     def add(option: _Option) -> None:
@@ -762,7 +766,7 @@ def _trainer_options(cfg: RunConfig, cluster: Cluster, plan: Plan) -> list[_Opti
     # the largest smaller micro-batch that fits, but at least engine.max_model_len (one whole sample)
     sizes = _micro_batch_sizes(t.micro_batch_tokens, e.max_model_len)
     for size in sizes:
-        tried = _try(_variant(cfg, trainer={"micro_batch_tokens": size}), cluster, sharding)
+        tried = _try(plan, cfg, sharding, trainer={"micro_batch_tokens": size})
         if tried is not None and tried.trainer_fits:
             break
     if sizes:
@@ -781,10 +785,7 @@ def _trainer_options(cfg: RunConfig, cluster: Cluster, plan: Plan) -> list[_Opti
         left = cluster.gpus_per_node - ranks
         if e.num_engines and cluster.nodes == 1 and not plan.colocated and e.num_engines > left:
             sections["engine"] = {"num_engines": left}
-        try:
-            tried = _try(_variant(cfg, **sections), cluster, new_sharding)
-        except ConfigError:
-            continue
+        tried = _try(plan, cfg, new_sharding, **sections)
         if tried is not None and (tried.trainer_fits or ranks == most):
             changes = {f"{name}.{k}": v for name, keys in sections.items() for k, v in keys.items()}
             text = ", ".join(f"{k}={v}" for k, v in changes.items())
@@ -814,7 +815,7 @@ def _micro_batch_sizes(current: int, floor: int) -> list[int]:
     return sizes
 
 
-def _combined(cfg: RunConfig, cluster: Cluster, plan: Plan, options: list[_Option]) -> Suggestion | None:
+def _combined(cfg: RunConfig, plan: Plan, options: list[_Option]) -> Suggestion | None:
     """The trainer changes applied one after another until the trainer fits; None if even all do not."""
     changes: dict[str, Any] = {}
     texts: dict[str, str] = {}
@@ -832,7 +833,7 @@ def _combined(cfg: RunConfig, cluster: Cluster, plan: Plan, options: list[_Optio
             texts.pop("offload_optimizer", None)  # the parameters' offload includes the optimizer's
         changes.update(option.changes)
         texts[option.tag] = option.text.split(" (fewer")[0]
-        tried = _try(_variant(cfg, **sections), cluster, sharding)
+        tried = _try(plan, cfg, sharding, **sections)
         if tried is not None and tried.trainer_fits:
             return Suggestion(dict(changes), "all together: " + "; ".join(texts.values())
                               + f": {_gib(tried.trainer_main.total)} GiB on trainer rank 0", tried.fits)
@@ -850,7 +851,7 @@ def minimum_gpu_memory(cfg: RunConfig, plan: Plan) -> int | None:
     need = float(trainer)
     e = plan.engine
     if e is not None and e.kind != "embedded":
-        util = float(getattr(cfg.engine, "gpu_memory_utilization", 0.9))
+        util = cfg.engine.gpu_memory_utilization
         engine_need = (e.weights + e.overhead + MIN_SEQUENCES * e.max_model_len * e.kv_bytes_per_token) / util
         if plan.colocated:
             need = max(trainer / (1 - util) if util < 1 else math.inf, engine_need)
@@ -932,10 +933,7 @@ def _describe_roles(group: list[GpuUse]) -> str:
     for k in range(len(group[0].roles)):
         kind = group[0].roles[k].rsplit(" ", 1)[0]
         numbers = [int(u.roles[k].rsplit(" ", 1)[1]) for u in group]
-        label = kind + ("s" if len(numbers) > 1 and kind == "engine" else "")
-        if kind == "trainer rank" and len(numbers) > 1:
-            label = "trainer ranks"
-        parts.append(f"{label} {_range(numbers)}")
+        parts.append(f"{kind}{'s' if len(numbers) > 1 else ''} {_range(numbers)}")  # engines, trainer ranks
     text = " + ".join(parts)
     return text + (" (main process: broadcasts weights)" if "trainer rank 0" in group[0].roles else "")
 
@@ -956,7 +954,7 @@ def format_plan(plan: Plan, cfg: RunConfig, recipe: str = "") -> str:
     engines = sum(len(n.engines) for n in plan.nodes)
     out.append(f"engines  {engines} x {e.kind}, {cfg.model.dtype} weights, max_model_len {e.max_model_len}, "
                f"max_running_seqs {e.max_running_seqs}"
-               + (f", gpu_memory_utilization {getattr(e, 'gpu_memory_utilization', 0.9):g}" if plan.on_gpu else "")
+               + (f", gpu_memory_utilization {e.gpu_memory_utilization:g}" if plan.on_gpu else "")
                + (", sharing the trainer's GPUs" if plan.colocated else ""))
     out.append("")
     rows = _placement_rows(plan, cfg)
@@ -1002,32 +1000,23 @@ def _trainer_table(plan: Plan, where: str) -> list[str]:
     main, other = plan.trainer_main, plan.trainer_other
     ranks = plan.sharding.ranks
     cols = ["rank 0"] + ([f"ranks 1-{ranks - 1}" if ranks > 2 else "rank 1"] if other else [])
+    whole = [main, other] if other else [main]
     rows: list[tuple[str, str, list[str]]] = []
 
-    def row(label: str, note: str, lines: list[Line | None]) -> None:
-        rows.append((label, note, [_gib(x.bytes) if x is not None else "-" for x in lines[:len(cols)]]))
+    def lines_of(kind: str, indent: str) -> None:
+        """A row per line of `kind` in any column ("-" where a rank has none; rank 0's note)."""
+        for name in dict.fromkeys(x.what for m in whole for x in getattr(m, kind)):
+            lines = [next((x for x in getattr(m, kind) if x.what == name), None) for m in whole]
+            note = next(x.note for x in lines if x is not None)
+            rows.append((indent + name, note, [_gib(x.bytes) if x else "-" for x in lines]))
 
-    def pair(kind: str, k: int) -> list[Line | None]:
-        a = getattr(main, kind)[k]
-        b = None
-        if other is not None:
-            b = next((x for x in getattr(other, kind) if x.what == a.what), None)
-        return [a, b]
-
-    for k, line in enumerate(main.state):
-        row(line.what, line.note, pair("state", k))
-    whole = [main, other] if other else [main]
+    lines_of("state", "")
     rows.append(("working set", "the larger of training and broadcast",
                  [_gib(max(m.training_bytes, m.broadcast_bytes)) for m in whole]))
     rows.append(("  training", "one micro-batch, forward and backward", [_gib(m.training_bytes) for m in whole]))
-    for k, line in enumerate(main.training):
-        row("    " + line.what, line.note, pair("training", k))
+    lines_of("training", "    ")
     rows.append(("  broadcast", "weights to the engines, after the step", [_gib(m.broadcast_bytes) for m in whole]))
-    names = list(dict.fromkeys([x.what for m in whole for x in m.broadcast]))
-    for name in names:
-        lines = [next((x for x in m.broadcast if x.what == name), None) for m in whole]
-        note = next(x.note for x in lines if x is not None)
-        rows.append(("    " + name, note, [_gib(x.bytes) if x else "-" for x in lines]))
+    lines_of("broadcast", "    ")
     if main.overhead:
         rows.append(("allowance", f"CUDA context, NCCL, fragmentation ({TRAINER_OVERHEAD_GIB:g} GiB)",
                      [_gib(m.overhead) for m in whole]))
@@ -1072,12 +1061,17 @@ def plan_to_json(plan: Plan, cfg: RunConfig) -> dict[str, Any]:
     def memory(m: TrainerMemory | None) -> dict[str, Any] | None:
         if m is None:
             return None
-        return {"state": [dataclasses.asdict(x) for x in m.state],
-                "training": [dataclasses.asdict(x) for x in m.training],
-                "broadcast": [dataclasses.asdict(x) for x in m.broadcast],
-                "host": [dataclasses.asdict(x) for x in m.host],
+        return {**{kind: [dataclasses.asdict(x) for x in getattr(m, kind)]
+                   for kind in ("state", "training", "broadcast", "host")},
                 "overhead": m.overhead, "checkpointing": m.checkpointing, "training_bytes": m.training_bytes,
                 "broadcast_bytes": m.broadcast_bytes, "total_bytes": m.total, "host_bytes": m.host_bytes}
+
+    def cpu(n: NodePlan) -> list[str]:
+        """What runs on a node's CPUs: node 0's actor and reward pool, and on a CPU recipe everything."""
+        roles = ["actor", f"reward pool ({cfg.reward.workers})"] if n.runs_trainer else []
+        if not plan.on_gpu:
+            roles += (["trainer"] if n.runs_trainer else []) + [f"engine {s.index}" for s in n.engines]
+        return roles
 
     e = plan.engine
     return {
@@ -1087,10 +1081,7 @@ def plan_to_json(plan: Plan, cfg: RunConfig) -> dict[str, Any]:
         "sharding": {**dataclasses.asdict(plan.sharding), "description": plan.sharding.describe()},
         "placement": [{"node": n.node.rank, "trainer_gpus": list(n.trainer_gpus),
                        "engines": [{"index": s.index, "gpus": list(s.gpus)} for s in n.engines],
-                       "cpu": (["actor", f"reward pool ({cfg.reward.workers})"]
-                               + ([] if plan.on_gpu else ["trainer"] + [f"engine {s.index}" for s in n.engines]))
-                       if n.runs_trainer else ([] if plan.on_gpu else [f"engine {s.index}" for s in n.engines])}
-                      for n in plan.nodes],
+                       "cpu": cpu(n)} for n in plan.nodes],
         "gpus": [{"node": u.node, "gpu": u.gpu, "roles": list(u.roles), "need_bytes": u.need,
                   "capacity_bytes": u.capacity} for u in plan.gpus],
         "trainer": {"rank0": memory(plan.trainer_main), "other_ranks": memory(plan.trainer_other)},

@@ -362,6 +362,17 @@ def stand_in(answer):
     return Handler
 
 
+def generate_in_turn(backend, requests: list[GenerateRequest]) -> list:
+    """Each request through a front's backend, one after the other (the stand-in answers in order); then closed."""
+    async def calls():
+        try:
+            return [await backend.generate(req) for req in requests]
+        finally:
+            await backend.aclose()
+
+    return asyncio.run(calls())
+
+
 def test_sglang_front_sends_stop_strings_and_enforces_the_definition(bpe_model_dir):
     """The body the SGLang front sends (parameter names as in SGLang 0.5's sampling_params.py), and what it makes
     of SGLang's answers: SGLang ends a stop string completed by the last allowed token with `length`, and may
@@ -385,20 +396,10 @@ def test_sglang_front_sends_stop_strings_and_enforces_the_definition(bpe_model_d
         backend = SGLangBackend(url, "m", model_facts(str(bpe_model_dir), "float32"),
                                 SGLangSettings(max_model_len=256, max_running_seqs=4), tokenizer)
 
-        async def calls():
-            try:
-                outs = []
-                for rid in ("a", "b"):
-                    req = GenerateRequest(prompt_token_ids=[5, 6], request_id=rid, sampling=SamplingParams(
-                        temperature=0, max_new_tokens=40, stop=["</answer>", "User:"], seed=7))
-                    outs.append(await backend.generate(req))
-                plain = GenerateRequest(prompt_token_ids=[5, 6], request_id="a", sampling=SamplingParams())
-                outs.append(await backend.generate(plain))
-                return outs
-            finally:
-                await backend.aclose()
-
-        ran_past, at_last, plain = asyncio.run(calls())
+        requests = [GenerateRequest(prompt_token_ids=[5, 6], request_id=rid, sampling=SamplingParams(
+            temperature=0, max_new_tokens=40, stop=["</answer>", "User:"], seed=7)) for rid in ("a", "b")]
+        requests.append(GenerateRequest(prompt_token_ids=[5, 6], request_id="a", sampling=SamplingParams()))
+        ran_past, at_last, plain = generate_in_turn(backend, requests)
     sent = [body["sampling_params"] for path, body in handler.bodies if path == "/generate"]
     assert sent[0]["stop"] == ["</answer>", "User:"] and sent[0]["no_stop_trim"] is True
     assert sent[0]["skip_special_tokens"] is True and sent[0]["sampling_seed"] == 7
@@ -431,14 +432,8 @@ def test_vllm_front_sends_stop_strings_with_detokenization(bpe_model_dir):
         backend = VLLMBackend(url, "m", model_facts(str(bpe_model_dir), "float32"),
                               FrontSettings(max_model_len=256, max_running_seqs=4), tokenizer)
 
-        async def calls():
-            try:
-                return [await backend.generate(GenerateRequest(prompt_token_ids=[5], sampling=SamplingParams(
-                    temperature=0, max_new_tokens=40, stop=stop))) for stop in (["</answer>"], [])]
-            finally:
-                await backend.aclose()
-
-        stopped, plain = asyncio.run(calls())
+        stopped, plain = generate_in_turn(backend, [GenerateRequest(prompt_token_ids=[5], sampling=SamplingParams(
+            temperature=0, max_new_tokens=40, stop=stop)) for stop in (["</answer>"], [])])
     with_stop, without = [body["sampling_params"] for _, body in handler.bodies]
     assert with_stop["stop"] == ["</answer>"] and with_stop["include_stop_str_in_output"] is True
     assert with_stop["detokenize"] is True and without["detokenize"] is False and "stop" not in without

@@ -3,6 +3,7 @@ extension) checked by the conformance suite, a partial update, and a short train
 
 Skipped when vLLM is not installed or does not import (`make install-vllm` installs it)."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -43,12 +44,13 @@ def vllm_model_dir(tmp_path_factory) -> Path:
                             num_kv_heads=1, initializer_range=0.2, seed=1234)
 
 
-@pytest.fixture(scope="module")
-def engine(vllm_imports, vllm_model_dir, tmp_path_factory):
+@contextlib.contextmanager
+def running_vllm(model_dir: Path, log: Path, max_model_len: int, max_running_seqs: int):
+    """`pipelinerl serve --engine vllm` for `model_dir`, healthy; stopped on the way out."""
     port = free_port()
-    log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    cmd = engine_command(str(vllm_model_dir), port, engine="vllm",
-                         extra=["--max-model-len", "1024", "--max-running-seqs", "8", "--threads", "1"])
+    cmd = engine_command(str(model_dir), port, engine="vllm",
+                         extra=["--max-model-len", str(max_model_len), "--max-running-seqs", str(max_running_seqs),
+                                "--threads", "1"])
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = start_process(cmd, log, env=env)
     client = EngineClient(f"http://127.0.0.1:{port}")
@@ -61,6 +63,12 @@ def engine(vllm_imports, vllm_model_dir, tmp_path_factory):
     finally:
         client.close()
         stop_process(proc, timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_imports, vllm_model_dir, tmp_path_factory):
+    with running_vllm(vllm_model_dir, tmp_path_factory.mktemp("logs") / "vllm.log", 1024, 8) as client:
+        yield client
 
 
 def test_conformance_suite_passes(engine, vllm_model_dir):
@@ -81,21 +89,12 @@ def test_stop_strings_inside_multi_character_tokens(vllm_imports, tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (model / f).unlink(missing_ok=True)
     bpe_tokenizer(100).save_pretrained(model)
-    port, log = free_port(), tmp_path / "vllm.log"
-    cmd = engine_command(str(model), port, engine="vllm",
-                         extra=["--max-model-len", "256", "--max-running-seqs", "4", "--threads", "1"])
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = start_process(cmd, log, env=env)
-    client = EngineClient(f"http://127.0.0.1:{port}")
-    try:
-        client.wait_healthy(timeout_s=400, process=proc)
+    log = tmp_path / "vllm.log"
+    with running_vllm(model, log, 256, 4) as client:
         results = run_suite(client.url, str(model), only=["stop_strings"])
         assert [r.status for r in results] == [PASS], format_table(results) + "\n" + tail(log, 40)
         assert "inside a token" in results[0].detail, results[0].detail
         assert "the contract's definition" not in log.read_text(), tail(log, 40)
-    finally:
-        client.close()
-        stop_process(proc, timeout_s=30)
 
 
 def test_partial_update_completes_fused_layers_from_current_weights(engine, vllm_model_dir):

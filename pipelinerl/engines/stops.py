@@ -118,7 +118,6 @@ class StopTokenizer:
     to nothing (special tokens skipped by `skip_special_tokens=True`)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
         self.decode = _fast_decoder(tokenizer) or decoder(tokenizer)
         candidates = set(getattr(tokenizer, "all_special_ids", []) or [])
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}

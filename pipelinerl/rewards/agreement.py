@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from pipelinerl.rewards.pool import RewardPool, RewardResult
+from pipelinerl.rewards.pool import RewardPool, RewardResult, resolve
+from pipelinerl.tasks.math_data import load_file
 
 DEFAULT_DATA_DIR = Path("../shared/data/orz_eval")
 KINDS = ("gold", "rewrite", "wrong", "near_miss", "format", "malformed")
@@ -83,13 +84,9 @@ class Case:
 
 
 def load_golds(data_dir: str | Path) -> list[Gold]:
-    """MATH-500 then AIME 2024 gold answers from ORZ's eval files."""
-    golds = []
-    for name in ("math500", "aime2024"):
-        records = json.loads((Path(data_dir) / f"{name}.json").read_text(encoding="utf-8"))
-        for i, rec in enumerate(records):
-            golds.append(Gold(f"{name}-{i}", str(rec["final_answer"]).strip(), str(rec["prompt"][0]["value"])))
-    return golds
+    """MATH-500 then AIME 2024 gold answers from ORZ's eval files (ids "math500-0", ...: the files have none)."""
+    return [Gold(p["id"], p["answer"], p["problem"])
+            for name in ("math500", "aime2024") for p in load_file(Path(data_dir) / f"{name}.json")]
 
 
 # -- equal rewrites --------------------------------------------------------------------------------------------
@@ -356,8 +353,6 @@ def score_with_pool(cases: Sequence[Case], workers: int = 2, timeout_s: float = 
 
 def score_in_process(cases: Sequence[Case]) -> dict[str, list[RewardResult]]:
     """The same, in this process (tests): no pool, so only signal timeouts where they apply."""
-    from pipelinerl.rewards.pool import resolve
-
     out = {}
     for name, ref in RULES.items():
         fn: Callable[[dict], RewardResult] = resolve(ref)

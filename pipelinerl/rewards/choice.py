@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from pipelinerl.rewards.math import last_boxed
+from pipelinerl.rewards.math import judged, last_boxed
 from pipelinerl.rewards.orz_exact import orz_extract
 from pipelinerl.rewards.pool import RewardResult
 
@@ -86,24 +86,20 @@ def choice_reward(problem: dict, completion: str, finish_reason: str, orz_rule: 
     gold = str(problem["answer"]).strip()
     if orz_rule:
         if finish_reason != "stop":
-            return _judged(False, f"did not stop: finish_reason {finish_reason!r}")
+            return judged(False, f"did not stop: finish_reason {finish_reason!r}")
         answer, why = orz_extract(completion)
         if answer is None:
-            return _judged(False, why)
+            return judged(False, why)
     else:
         answer = last_boxed(completion)
         if answer is None:
-            return _judged(False, "no \\boxed{} answer")
+            return judged(False, "no \\boxed{} answer")
     letter, how = chosen_option(answer, choices)
     if letter is None:
-        return _judged(False, how)
+        return judged(False, how)
     if letter != gold:
-        return _judged(False, f"wrong option: {letter}, expected {gold}")
-    return _judged(True, "chosen by the option text" if how == "text" else "")
-
-
-def _judged(ok: bool, reason: str) -> RewardResult:
-    return RewardResult(1.0 if ok else 0.0, {"correct": 1.0 if ok else 0.0}, reason)
+        return judged(False, f"wrong option: {letter}, expected {gold}")
+    return judged(True, "chosen by the option text" if how == "text" else "")
 
 
 def score_choice(item: dict) -> RewardResult:

@@ -82,7 +82,7 @@ def answer_block(completion: str) -> str | None:
     return completion[start:] if end < 0 else completion[start:end]
 
 
-def _signal_timeout() -> int | None:
+def signal_timeout() -> int | None:
     """math-verify's SIGALRM timeout where it works and harms no one: in the main thread, with SIGALRM unused
     (a pool worker). Elsewhere (another thread, or a process with its own SIGALRM handler such as pytest-timeout)
     it is off, and the pool's per-answer timeout is the bound."""
@@ -95,7 +95,7 @@ def _parse(latex: str) -> list[Any]:
     from math_verify import LatexExtractionConfig, parse
 
     return parse(latex, extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
-                 parsing_timeout=_signal_timeout(), raise_on_error=True)
+                 parsing_timeout=signal_timeout(), raise_on_error=True)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -122,24 +122,24 @@ def answers_match(gold: str, answer: str) -> tuple[bool, str]:
     except TimeoutException:
         return False, "math-verify timeout while parsing"
     except Exception as e:
-        return False, f"math-verify parse error: {type(e).__name__}: {_short(str(e))}"
+        return False, f"math-verify parse error: {type(e).__name__}: {shorten(str(e))}"
     if not gold_parsed:
         return False, f"math-verify cannot parse the gold answer {gold!r}"
     if not answer_parsed:
-        return False, f"math-verify cannot parse the answer {_short(answer)!r}"
+        return False, f"math-verify cannot parse the answer {shorten(answer)!r}"
     problem = ""
     for g, a in itertools.product(gold_parsed, answer_parsed):
         try:
-            if verify(g, a, timeout_seconds=_signal_timeout(), raise_on_error=True):
+            if verify(g, a, timeout_seconds=signal_timeout(), raise_on_error=True):
                 return True, ""
         except TimeoutException:
             problem = problem or "math-verify timeout"
         except Exception as e:
-            problem = problem or f"math-verify error: {type(e).__name__}: {_short(str(e))}"
-    return False, problem or f"wrong answer: {_short(answer)!r}, expected {gold!r}"
+            problem = problem or f"math-verify error: {type(e).__name__}: {shorten(str(e))}"
+    return False, problem or f"wrong answer: {shorten(answer)!r}, expected {gold!r}"
 
 
-def _short(text: str, limit: int = 80) -> str:
+def shorten(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -147,7 +147,7 @@ def gold_answer(problem: dict) -> str:
     return str(problem["answer"])
 
 
-def _judged(ok: bool, reason: str) -> RewardResult:
+def judged(ok: bool, reason: str) -> RewardResult:
     return RewardResult(1.0 if ok else 0.0, {"correct": 1.0 if ok else 0.0}, reason)
 
 
@@ -156,21 +156,21 @@ def math_reward(problem: dict, completion: str, finish_reason: str = "stop") -> 
     (use `orz_reward`, or `shaping.truncated_zero`, for that); it is part of the signature all rules share."""
     answer = last_boxed(completion)
     if answer is None:
-        return _judged(False, "no \\boxed{} answer")
-    return _judged(*answers_match(gold_answer(problem), answer))
+        return judged(False, "no \\boxed{} answer")
+    return judged(*answers_match(gold_answer(problem), answer))
 
 
 def orz_reward(problem: dict, completion: str, finish_reason: str) -> RewardResult:
     """Open-Reasoner-Zero: reward only a correct \\boxed{} inside <answer>...</answer> of an output that stopped."""
     if finish_reason != "stop":
-        return _judged(False, f"did not stop: finish_reason {finish_reason!r}")
+        return judged(False, f"did not stop: finish_reason {finish_reason!r}")
     block = answer_block(completion)
     if block is None:
-        return _judged(False, "no <answer> block")
+        return judged(False, "no <answer> block")
     answer = last_boxed(block)
     if answer is None:
-        return _judged(False, "no \\boxed{} in <answer>")
-    return _judged(*answers_match(gold_answer(problem), answer))
+        return judged(False, "no \\boxed{} in <answer>")
+    return judged(*answers_match(gold_answer(problem), answer))
 
 
 def score_math(item: dict) -> RewardResult:

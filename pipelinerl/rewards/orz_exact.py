@@ -36,7 +36,8 @@ pair in tests/test_orz_exact.py.
 
 Timeouts: as in `math.py`, a SIGALRM bound (`ORZ_SYMPY_TIMEOUT_S`, ORZ's own 1 s) is used only in a process's main
 thread with SIGALRM unused, i.e. in a reward pool worker; a slow sympy evaluation then gives a 0 with a reason.
-Elsewhere the pool's per-answer timeout is the bound.
+Elsewhere the pool's per-answer timeout is the bound. A worker parses each gold answer once (it repeats G times per
+group), so after a group's first answer the 1 s is the answer's alone, where ORZ's covered both parses.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ import functools
 import importlib.metadata
 import re
 import signal
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pipelinerl.rewards.math import judged, shorten, signal_timeout
 from pipelinerl.rewards.pool import RewardResult
 
 # ORZ waits 1 s for the symbolic stage (asyncio.wait_for around it) and counts a late answer as wrong.
@@ -87,15 +88,13 @@ def unbox(text: str) -> str:
     is unclosed (or written `\\boxed {x}`) is compared as the whole extracted text, which then practically never
     matches.
     """
+    # ORZ falls back to the last `\fbox` when there is no `\boxed`, but then cannot unbox it (it wants
+    # "\boxed{") and keeps the text: the same as ignoring `\fbox` here
     start = text.rfind("\\boxed")
-    if start < 0:
-        start = text.rfind("\\fbox")
-        if start < 0:
-            return text
-    end = _naive_closing_brace(text, start)
-    if end is None or not text.startswith("\\boxed{", start):
+    if start < 0 or not text.startswith("\\boxed{", start):
         return text
-    return text[start + len("\\boxed{"):end]
+    end = _naive_closing_brace(text, start)
+    return text if end is None else text[start + len("\\boxed{"):end]
 
 
 def orz_extract(completion: str) -> tuple[str | None, str]:
@@ -264,13 +263,30 @@ def _sympy_parse_latex() -> Callable[[str], Any]:
     return parse_latex
 
 
+def _parsed(latex: str) -> tuple[Any, Any]:
+    """(expression, `evalf` value) of `latex` by sympy's LaTeX parser; an exception when it does not parse."""
+    expr = _sympy_parse_latex()(latex)
+    return expr, expr.evalf()
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_gold(gold: str) -> tuple[Any, Any] | None:
+    """`_parsed` for a gold answer, None when it does not parse. Gold answers repeat G times per group (raw and in
+    Minerva form) and parsing is most of this rule's time: once per worker, as math.py does. A timeout
+    (SympyTimeout, a BaseException) is not caught, so not cached."""
+    try:
+        return _parsed(gold)
+    except Exception:
+        return None
+
+
 def _same_value(gold: str, answer: str) -> bool:
     """Both parse (else an exception) and are identical as expressions or as evaluated values."""
-    parse = _sympy_parse_latex()
-    gold_expr = parse(gold)
-    gold_value = gold_expr.evalf()
-    answer_expr = parse(answer)
-    answer_value = answer_expr.evalf()
+    gold_parsed = _parsed_gold(gold)
+    if gold_parsed is None:
+        raise ValueError(f"sympy cannot parse the gold answer {gold!r}")
+    gold_expr, gold_value = gold_parsed
+    answer_expr, answer_value = _parsed(answer)
     return bool(gold_expr == answer_expr or gold_value == answer_value)
 
 
@@ -335,16 +351,11 @@ def is_repetitive(s: str) -> bool:
 # -- timeout ---------------------------------------------------------------------------------------------------
 
 
-def _alarm_usable() -> bool:
-    """SIGALRM only in the main thread and only when nobody else uses it (a reward pool worker); see math.py."""
-    return (hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGALRM) is signal.SIG_DFL)
-
-
 @contextlib.contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise SympyTimeout in the body after `seconds` where the alarm is usable; no bound elsewhere."""
-    if not _alarm_usable():
+    """Raise SympyTimeout in the body after `seconds` where the alarm is usable; no bound elsewhere. Usable is
+    where math.py lets math-verify use it: a process's main thread with SIGALRM unused (a reward pool worker)."""
+    if signal_timeout() is None:
         yield
         return
 
@@ -363,39 +374,31 @@ def _time_limit(seconds: float) -> Iterator[None]:
 # -- the rule --------------------------------------------------------------------------------------------------
 
 
-def _short(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def orz_answers_equal(gold: str, answer: str, timeout_s: float = ORZ_SYMPY_TIMEOUT_S) -> tuple[bool, str]:
     """ORZ's `is_equal` on a gold answer and an extracted answer (both already unboxed): (equal, why not)."""
     if strings_equivalent(gold, answer):
         return True, ""
-    wrong = f"wrong answer: {_short(answer)!r}, expected {_short(gold)!r}"
+    wrong = f"wrong answer: {shorten(answer)!r}, expected {shorten(gold)!r}"
     try:
         with _time_limit(timeout_s):
             if is_repetitive(gold) or is_repetitive(answer):
-                return False, f"repetitive answer (ORZ skips the symbolic check): {_short(answer)!r}"
+                return False, f"repetitive answer (ORZ skips the symbolic check): {shorten(answer)!r}"
             return (True, "") if symbolically_equal(gold, answer) else (False, wrong)
     except SympyTimeout:
-        return False, f"sympy timeout after {timeout_s:g} s: {_short(answer)!r}"
-
-
-def _judged(ok: bool, reason: str) -> RewardResult:
-    return RewardResult(1.0 if ok else 0.0, {"correct": 1.0 if ok else 0.0}, reason)
+        return False, f"sympy timeout after {timeout_s:g} s: {shorten(answer)!r}"
 
 
 def orz_exact_reward(problem: dict, completion: str, finish_reason: str) -> RewardResult:
     """1 when an output that stopped has ORZ's answer equal to `problem["answer"]` under ORZ's check, else 0 with
     the reason in `info`."""
     if finish_reason != "stop":
-        return _judged(False, f"did not stop: finish_reason {finish_reason!r}")
+        return judged(False, f"did not stop: finish_reason {finish_reason!r}")
     answer, why = orz_extract(completion)
     if answer is None:
-        return _judged(False, why)
+        return judged(False, why)
     if not answer.strip():
-        return _judged(False, "empty \\boxed{} answer")
-    return _judged(*orz_answers_equal(unbox(str(problem["answer"])), answer))
+        return judged(False, "empty \\boxed{} answer")
+    return judged(*orz_answers_equal(unbox(str(problem["answer"])), answer))
 
 
 def score_orz_exact(item: dict) -> RewardResult:

@@ -38,7 +38,6 @@ TEMPLATES = {
     "plain": "{problem}",
 }
 
-
 REWARDS: dict[str, Callable[[dict], Any]] = {"math": score_math, "orz": score_orz, "orz_exact": score_orz_exact}
 
 
@@ -53,10 +52,10 @@ def score_math_task(item: dict) -> RewardResult:
 
 
 def _warmup() -> None:
-    # every rule's: a cold worker's first sympy/ANTLR parse takes over a second, which ORZ's 1 s limit would turn
-    # into a false 0
-    for fn in (score_math, score_orz, score_orz_exact):
-        fn.warmup()  # type: ignore[attr-defined]
+    # every rule's warm-up, each once (math and orz share math-verify's): a cold worker's first sympy/ANTLR parse
+    # takes over a second, which ORZ's 1 s limit would turn into a false 0
+    for warmup in dict.fromkeys(fn.warmup for fn in REWARDS.values()):  # type: ignore[attr-defined]
+        warmup()
 
 
 score_math_task.warmup = _warmup  # type: ignore[attr-defined]  # run by reward pool workers
