@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelinerl.engines.external import versions_from_spans
+from pipelinerl.engines.common import versions_from_spans
 from pipelinerl.engines.sglang.front import _span
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -379,7 +379,7 @@ def test_sglang_front_sends_stop_strings_and_enforces_the_definition(bpe_model_d
     run past a stop string spelled in more tokens than its own tokenization (its match window)."""
     from transformers import AutoTokenizer
 
-    from pipelinerl.engines.external import model_facts
+    from pipelinerl.engines.common import model_facts
     from pipelinerl.engines.sglang.front import SGLangBackend, SGLangSettings
 
     tokenizer = AutoTokenizer.from_pretrained(bpe_model_dir)
@@ -415,7 +415,7 @@ def test_vllm_front_sends_stop_strings_with_detokenization(bpe_model_dir):
     `include_stop_str_in_output` (vllm/sampling_params.py): the front asks for both only when there are some."""
     from transformers import AutoTokenizer
 
-    from pipelinerl.engines.external import model_facts
+    from pipelinerl.engines.common import model_facts
     from pipelinerl.engines.vllm.front import FrontSettings, VLLMBackend
 
     tokenizer = AutoTokenizer.from_pretrained(bpe_model_dir)

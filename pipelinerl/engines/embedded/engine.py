@@ -45,7 +45,7 @@ from pipelinerl.engines.embedded.receiver import Receiver, ReceiverDied, Setup, 
 from pipelinerl.engines.embedded.sampling import SamplingBatch, sample_batch
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
 from pipelinerl.engines.embedded.transpose import UpdateCopies
-from pipelinerl.engines.external import completions_via_generate
+from pipelinerl.engines.common import completions_via_generate
 from pipelinerl.engines.server import ContractError, render_metrics
 from pipelinerl.engines.stops import StopStrings, StopTokenizer, StopWatch
 from pipelinerl.weight_sync import (

@@ -30,14 +30,14 @@ def sglang_command(args: argparse.Namespace, port: int) -> list[str]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900.0) -> None:
-    from pipelinerl.engines.external import wait_server_healthy
+    from pipelinerl.engines.common import wait_server_healthy
 
     wait_server_healthy("SGLang", url, proc, timeout_s, poll_s=0.5)
 
 
 def serve(args: argparse.Namespace) -> None:
     """Start SGLang, wait until it is healthy, then serve the contract on `args.host:args.port`."""
-    from pipelinerl.engines.external import load_tokenizer, model_facts
+    from pipelinerl.engines.common import load_tokenizer, model_facts
     from pipelinerl.engines.server import create_app
     from pipelinerl.engines.sglang.front import SGLangBackend, SGLangSettings
     from pipelinerl.serve import run_server

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 def build_backend(args: argparse.Namespace, vllm_url: str):
     """The front's `EngineBackend` for a vLLM server at `vllm_url` serving `args.model`."""
-    from pipelinerl.engines.external import load_tokenizer, model_facts
+    from pipelinerl.engines.common import load_tokenizer, model_facts
     from pipelinerl.engines.vllm.front import FrontSettings, VLLMBackend
 
     facts = model_facts(args.model, args.dtype)

@@ -37,7 +37,7 @@ from pipelinerl.contracts.inference import (
     UpdateWeightsResponse,
     WeightsChecksumResponse,
 )
-from pipelinerl.engines.external import (
+from pipelinerl.engines.common import (
     FrontMetrics,
     ModelFacts,
     check_generate,

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 
-from pipelinerl.engines.external import ModelFacts, repo_root, wait_server_healthy
+from pipelinerl.engines.common import ModelFacts, repo_root, wait_server_healthy
 
 EXTENSION = "pipelinerl.engines.vllm.worker_extension.PipelineRLWorkerExtension"
 # Extra arguments for `vllm serve`, appended last (so they win), e.g. "--gpu-memory-utilization 0.5".

@@ -1,9 +1,9 @@
-"""What the fronts of external engines (vLLM, SGLang) share: the model's facts read without loading its weights,
-the contract's input checks, per-token versions from version spans, OpenAI-style completions on top of
-`generate`, and the front's own metrics.
+"""What every engine behind the contract shares (the embedded engine and the vLLM and SGLang fronts): the
+model's facts read without loading its weights, the contract's input and update checks, per-token versions from
+version spans, OpenAI-style completions on top of `generate`, and a front's own metrics.
 
 The fronts validate requests themselves instead of relaying the engine's errors, so that a bad request gets the
-contract's 4xx with `error.field` whatever engine is behind, and the same messages as the embedded engine.
+contract's 4xx with `error.field` whatever engine is behind, with the same messages as the embedded engine.
 """
 
 from __future__ import annotations
