@@ -79,9 +79,15 @@ class EngineConfig:
     # engines on the trainer's GPUs instead of GPUs of their own (a one-GPU workstation); give the trainer room
     # by lowering gpu_memory_utilization
     colocate_with_trainer: bool = False
+    # GPUs per engine, split by tensor parallelism (vLLM --tensor-parallel-size, SGLang --tp-size); every one of
+    # an engine's workers is a rank of the weight-update group. The embedded engine runs on one device.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check_choice(self.kind, ENGINES, "engine.kind")
+        _check(self.tensor_parallel_size >= 1, "engine.tensor_parallel_size", "must be at least 1")
+        _check(self.kind != "embedded" or self.tensor_parallel_size == 1, "engine.tensor_parallel_size",
+               "the embedded engine runs on one device; use engine.kind vllm or sglang for tensor parallelism")
         _check(0 < self.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
         _check(self.num_engines >= 0, "engine.num_engines", "must be >= 0 (0: fill the node's free GPUs)")
         _check(0 <= self.base_port <= 65535, "engine.base_port", "must be a TCP port, or 0 for any free one")
