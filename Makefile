@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
 include launch/vllm_install.mk
 
-.PHONY: install run compare test test-quick bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
+.PHONY: install run compare test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -29,6 +29,12 @@ else
 	  $(BIN)/python -m pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
 endif
 	$(BIN)/python -m pip install -e ".[$(EXTRAS)]"
+ifeq ($(HAS_GPU),1)
+	# flash-attention 2 (packed micro-batches without a dense mask); built against the torch just installed, so
+	# without build isolation. The trainer falls back to sdpa, with a warning, where it does not build.
+	$(BIN)/python -m pip install --no-build-isolation -e ".[flash]" || \
+	  echo "make install: flash-attn did not install; the trainer will use sdpa (see trainer.attn_implementation)"
+endif
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -77,6 +83,13 @@ test: $(STAMP)
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The GPU checks in one command (tests/gpu): NCCL updates into the embedded engine and vLLM while they generate,
+# the tiny recipe on GPUs, a 2-GPU ZeRO-3 trainer pushing to an engine, the vLLM pause benchmark. Installs as
+# `make test` does (CUDA torch, the gpu extra and vLLM's GPU build on a GPU machine); each check skips, saying
+# why, where the GPUs it needs are missing. (`make test` collects them too: without a GPU they skip at once.)
+test-gpu: install-vllm-optional
+	$(BIN)/python -m pytest -q -rs tests/gpu $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)

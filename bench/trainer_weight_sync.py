@@ -261,8 +261,8 @@ def _serve_receiver(model_dir: str, port: int) -> None:
     @app.post("/bench/raw_receive")
     async def raw_receive(body: dict) -> dict:
         if engine.receive_in_process:  # the group is the receiving process's: it receives there too
-            return {"seconds": await engine._call_receiver("bare_receive", list(body["sizes"]))}
-        group = engine._group  # the engine's own weight-update group, the one the trainer path uses
+            return {"seconds": await engine.receiver.call("bare_receive", list(body["sizes"]))}
+        group = engine.receiver.group  # the engine's own weight-update group, the one the trainer path uses
         sizes = tuple(body["sizes"])
         if sizes not in raw_buffers:
             raw_buffers.clear()

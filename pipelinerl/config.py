@@ -6,6 +6,7 @@ fail in `load_config` with a `ConfigError` that names the key and where it came 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +16,9 @@ from urllib.parse import urlsplit
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl")
 ENGINES = ("embedded", "vllm", "sglang")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 STREAM_BACKENDS = ("files", "redis")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -38,7 +39,9 @@ def _check_choice(value: str, choices: tuple[str, ...], key: str) -> None:
 @dataclass
 class ModelConfig:
     path: str = MISSING  # local directory with a Hugging Face model (or a hub name where a hub is reachable)
-    dtype: str = "float32"  # bfloat16 on GPUs
+    # the weights the engines serve and the trainer sends them; auto: bfloat16 where the launcher finds GPUs,
+    # float32 without (`resolve_for_machine`)
+    dtype: str = "auto"
     # "pretrained" loads `path`; "tiny" builds a small random model there first if it does not exist yet
     init: str = "pretrained"
     tiny_hidden_size: int = 64
@@ -119,20 +122,29 @@ class SamplingConfig:
 
 @dataclass
 class WeightSyncConfig:
-    backend: str = "gloo"  # nccl on GPUs
+    # nccl | gloo | auto. A run config's is auto (RunConfig.weight_sync), which the launcher resolves: nccl where
+    # it finds GPUs (gloo when engines share the trainer's GPUs), gloo without. gloo for one made in code.
+    backend: str = "gloo"
     master_address: str = "127.0.0.1"
     master_port: int = 0  # 0: the trainer picks a free port when it forms the group (engines learn it over HTTP)
     group_name: str = "weight_update"
     # 0: one broadcast per tensor. 4 MB measured fastest on CPU/gloo (bench/trainer_weight_sync.py): tensors of
-    # that size or more go out alone, with no packing copy, and the small ones are still grouped.
-    bucket_mb: float = 4.0
+    # that size or more go out alone, with no packing copy, and the small ones are still grouped. A run config's
+    # is unset (RunConfig.weight_sync): 4, or 0 for engine.kind sglang, which receives one tensor per broadcast.
+    bucket_mb: Optional[float] = 4.0  # noqa: UP045 (omegaconf needs Optional, not `float | None`)
     timeout_s: float = 120.0
+    # SGLang holds every tensor of one update call on its GPU at once, so its front splits an update into calls
+    # of at most this many MiB (headroom the engine's GPU needs beside engine.gpu_memory_utilization)
+    sglang_update_chunk_mb: float = 1024.0
 
     def __post_init__(self) -> None:
         _check_choice(self.backend, BACKENDS, "weight_sync.backend")
         _check(0 <= self.master_port <= 65535, "weight_sync.master_port", "must be a TCP port, or 0 for any free one")
-        _check(self.bucket_mb >= 0, "weight_sync.bucket_mb", "must be >= 0")
+        _check(bool(self.group_name), "weight_sync.group_name", "must not be empty")
+        _check(self.bucket_mb is None or self.bucket_mb >= 0, "weight_sync.bucket_mb", "must be >= 0")
         _check(self.timeout_s > 0, "weight_sync.timeout_s", "must be > 0")
+        _check(self.sglang_update_chunk_mb > 0, "weight_sync.sglang_update_chunk_mb",
+               "must be > 0 (MiB per update call to SGLang; 1024 is a good size)")
 
 
 @dataclass
@@ -160,16 +172,36 @@ class TrainerConfig:
     eval_k: int = 4  # samples per held-out problem (pass@1 is averaged over them)
     eval_greedy: bool = False  # one greedy sample per problem instead
     threads: int = 1  # CPU threads per trainer process
-    # trainer processes (accelerate): one per GPU on GPU machines, placed on node 0's first GPUs; on CPU,
-    # more than 1 is data parallel over gloo
+    # trainer processes in all (accelerate's --num_processes; the world that ZeRO-3/FSDP shard over): one per GPU on
+    # GPU machines, trainer.num_processes / trainer.num_nodes on the first GPUs of each trainer node; on CPU, more
+    # than 1 is data parallel over gloo
     num_processes: int = 1
+    # nodes the trainer spans: nodes 0 .. num_nodes-1 of a multi-node run (WORLD_SIZE), each running an equal share
+    # of num_processes, with engines on their other GPUs; global rank 0 (on node 0) alone talks to the engines
+    num_nodes: int = 1
     # an accelerate config (launch/accelerate/*.yaml: DeepSpeed ZeRO-3, FSDP) used when num_processes > 1;
     # empty: plain data parallel (DDP)
     accelerate_config: str = ""
     temperature: float = 1.0  # the sampling temperature: trainer log-probs use logits / temperature, as the engine
     mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU | no | bf16
-    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (GPU)
+    # auto | sdpa | eager | flash_attention_2 (GPU; setup.cfg's `flash` extra, which `make install` adds on GPU
+    # machines). sdpa and eager build a dense micro_batch_tokens^2 mask for packed rows (bool + sdpa's bf16 copy:
+    # 3 B per pair, 0.75 GiB at 16k tokens); flash-attention builds none (varlen kernel on the rows' cu_seqlens).
+    # auto: flash_attention_2 on GPUs where flash-attn imports (else sdpa, with a warning), sdpa on CPU.
+    attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
+    # tokens per chunk of the LM head when computing log-probs and entropy: only [chunk, vocab] float32 logits
+    # exist at a time (two such buffers in the forward, one in the backward, which recomputes them), never
+    # [micro_batch_tokens, vocab]. 1024 x 152064 vocab: 0.62 GB per buffer.
+    logprob_chunk_tokens: int = 1024
+    # seconds one collective of the trainer processes (all-reduce, ZeRO-3 gather, barrier) may take before the
+    # run fails naming it (NCCL's watchdog ends the process; gloo raises). Work the main process does alone is
+    # not waited for inside a collective (see main_process_timeout_s), so this only has to cover real collectives
+    collective_timeout_s: float = 1800.0
+    # seconds the other trainer processes wait, on the host and outside any collective, for work the main process
+    # does alone (held-out evaluation, pushing weights to the engines, checkpoint and export files) before the
+    # run fails saying the main process never came
+    main_process_timeout_s: float = 14400.0
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "trainer.lr", "must be > 0")
@@ -186,7 +218,15 @@ class TrainerConfig:
         _check(self.temperature > 0, "trainer.temperature", "must be > 0 (log-probs of greedy decoding are undefined)")
         _check_choice(self.mixed_precision, ("auto", "no", "bf16"), "trainer.mixed_precision")
         _check(self.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be at least 1")
+        _check(self.logprob_chunk_tokens >= 1, "trainer.logprob_chunk_tokens",
+               "must be at least 1 (tokens per chunk of the LM head; 1024 is a good size on GPUs)")
         _check(self.num_processes >= 1, "trainer.num_processes", "must be at least 1")
+        _check(self.num_nodes >= 1, "trainer.num_nodes", "must be at least 1")
+        _check(self.num_processes % self.num_nodes == 0, "trainer.num_processes",
+               f"{self.num_processes} processes do not divide evenly over trainer.num_nodes {self.num_nodes} (it "
+               "counts the processes of all trainer nodes); make it a multiple of trainer.num_nodes")
+        _check(self.collective_timeout_s > 0, "trainer.collective_timeout_s", "must be > 0")
+        _check(self.main_process_timeout_s > 0, "trainer.main_process_timeout_s", "must be > 0")
         _check(self.accelerate_config == "" or Path(self.accelerate_config).is_file(), "trainer.accelerate_config",
                f"no such file {self.accelerate_config!r} (see launch/accelerate/)")
 
@@ -331,7 +371,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=lambda: WeightSyncConfig(backend="auto", bucket_mb=None))
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -348,6 +388,8 @@ class RunConfig:
                f"got {self.trainer.samples_per_step}")
         _check(self.sampling.max_new_tokens < self.engine.max_model_len, "sampling.max_new_tokens",
                f"must be below engine.max_model_len ({self.engine.max_model_len})")
+        if self.weight_sync.bucket_mb is None:  # unset: the engine's best format (SGLang takes one tensor each)
+            self.weight_sync.bucket_mb = 0.0 if self.engine.kind == "sglang" else 4.0
         self._cross_check()
 
     def _cross_check(self) -> None:
@@ -368,16 +410,42 @@ class RunConfig:
                f"{t.temperature} differs from sampling.temperature {s.temperature}: the trainer's log-probs must "
                "use the temperature the engines sample at; set both to the same value")
         backend, gpu = self.weight_sync.backend, self.resources.gpus_per_node > 0
+        if e.kind == "sglang":
+            self._check_sglang()
         if e.colocate_with_trainer:
             # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), which is what an
             # engine sharing the trainer's GPU would be; gloo carries the update through host memory instead.
-            _check(backend == "gloo", "weight_sync.backend",
+            _check(backend in ("gloo", "auto"), "weight_sync.backend",
                    f"{backend!r} cannot connect a trainer and an engine on the same GPU "
-                   "(engine.colocate_with_trainer); set weight_sync.backend=gloo")
+                   "(engine.colocate_with_trainer); set weight_sync.backend=gloo or auto")
         else:
-            _check(not gpu or backend == "nccl", "weight_sync.backend",
+            _check(not gpu or backend in ("nccl", "auto"), "weight_sync.backend",
                    f"{backend!r} is the CPU backend, but this recipe runs on GPUs (resources.gpus_per_node "
-                   f"{self.resources.gpus_per_node}); set weight_sync.backend=nccl")
+                   f"{self.resources.gpus_per_node}); set weight_sync.backend=nccl or auto")
+        # A sharded trainer's other processes gather parameters while the main one waits up to weight_sync.timeout_s
+        # for the engines to take each bucket: their collective must outlast that wait.
+        _check(not t.accelerate_config or t.collective_timeout_s > self.weight_sync.timeout_s,
+               "trainer.collective_timeout_s",
+               f"{t.collective_timeout_s:g} s must exceed weight_sync.timeout_s ({self.weight_sync.timeout_s:g} s): "
+               "the other trainer processes of a sharded trainer sit in a collective while the main one pushes "
+               "each bucket of weights to the engines")
+
+
+    def _check_sglang(self) -> None:
+        """What SGLang's weight-update path cannot take (pipelinerl/engines/sglang/front.py)."""
+        w, e = self.weight_sync, self.engine
+        _check(w.bucket_mb == 0, "weight_sync.bucket_mb",
+               f"{w.bucket_mb:g}, but SGLang (engine.kind sglang) receives one broadcast per tensor; set "
+               "weight_sync.bucket_mb=0 or leave it unset")
+        _check(self.resources.gpus_per_node > 0, "engine.kind",
+               "sglang runs on GPUs only (it has no CPU build): set resources.gpus_per_node, or use engine.kind "
+               "embedded or vllm on CPU")
+        _check(not e.colocate_with_trainer, "engine.colocate_with_trainer",
+               "SGLang cannot share the trainer's GPUs: its updates go over nccl, which refuses two ranks of one "
+               "group on one GPU; give the engines GPUs of their own")
+        _check(w.backend in ("nccl", "auto"), "weight_sync.backend",
+               f"{w.backend!r}, but SGLang receives updates into GPU memory and is supported over nccl only; set "
+               "weight_sync.backend=nccl or auto")
 
 
 def _merge(base: DictConfig, other: DictConfig, source: str) -> DictConfig:
@@ -421,6 +489,41 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
         raise ConfigError(f"{source}: {e}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad key {getattr(e, 'full_key', '?')!r}: {_first_line(e)}") from None
+
+
+def resolve_for_machine(cfg: RunConfig, gpus: int) -> tuple[RunConfig, list[str]]:
+    """`cfg` with every "auto" setting decided for a node with `gpus` GPUs, and one note per explicit choice that
+    the user should hear about. Pure (the launcher passes what `placement.detect_gpus` found), so every node of a
+    run decides alike and the rule is tested without a GPU. The result is checked again like any config.
+
+    - `model.dtype`: bfloat16 with GPUs (what engines serve and what goes over the wire), float32 without.
+    - `weight_sync.backend`: nccl with GPUs (GPU to GPU), gloo without, and gloo when the engines share the
+      trainer's GPUs (`engine.colocate_with_trainer`: NCCL refuses two ranks on one GPU).
+    An explicit gloo on a GPU node is kept, with a note saying what it costs."""
+    notes: list[str] = []
+    dtype, backend = cfg.model.dtype, cfg.weight_sync.backend
+    colocated = cfg.engine.colocate_with_trainer
+    if dtype == "auto":
+        dtype = "bfloat16" if gpus else "float32"
+    if backend == "auto":
+        backend = "nccl" if gpus and not colocated else "gloo"
+    elif backend == "gloo" and gpus:
+        why = ("as engine.colocate_with_trainer requires (NCCL refuses two ranks on one GPU)" if colocated
+               else "because the config sets it (right where NCCL cannot connect the trainer and the engines; "
+                    "leave weight_sync.backend unset, auto, for nccl)")
+        notes.append(f"weight_sync.backend=gloo on a node with {gpus} GPU(s): every weight update goes through host "
+                     f"memory and TCP, several times slower than nccl's GPU-to-GPU broadcast; kept {why}")
+    elif backend == "nccl" and not gpus:
+        raise ConfigError("weight_sync.backend: nccl needs GPUs and this node has none; set it to auto or gloo")
+    if (dtype, backend) == (cfg.model.dtype, cfg.weight_sync.backend):
+        return cfg, notes
+    try:
+        resolved = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype),
+                                       weight_sync=dataclasses.replace(cfg.weight_sync, backend=backend))
+    except ConfigError as e:
+        raise ConfigError(f"with model.dtype={dtype} and weight_sync.backend={backend} (auto, for {gpus} GPU(s)): "
+                          f"{e}") from None
+    return resolved, notes
 
 
 def to_yaml(cfg: Any) -> str:

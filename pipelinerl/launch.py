@@ -6,15 +6,18 @@ the run stops with the cause and the child's last log lines; Ctrl-C stops every 
 run directory resumes from the last checkpoint.
 
 Multi-node (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT in the environment; `pipelinerl.placement` says what runs
-where): every node runs this launcher with the same recipe; node 0 does all of the above, the other nodes only
-start engines and hand their URLs to node 0 through `pipelinerl.nodes`.
+where): every node runs this launcher with the same recipe; node 0 does all of the above, the other nodes start
+engines and hand their URLs to node 0 through `pipelinerl.nodes`, and with `trainer.num_nodes` > 1 the first ones
+also start their share of the trainer processes once node 0 says where those meet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pipelinerl.config import ConfigError, RunConfig, load_config, save_resolved_config
+from pipelinerl.config import ConfigError, RunConfig, load_config, resolve_for_machine, save_resolved_config
 from pipelinerl.engines.client import EngineClient
 from pipelinerl.nodes import NodeLost, NodeRendezvous
 from pipelinerl.placement import (
@@ -106,10 +109,16 @@ class Engines:
             extra = ["--max-running-seqs", str(e.max_running_seqs), "--max-batch-tokens", str(e.max_batch_tokens),
                      "--max-model-len", str(e.max_model_len), "--threads", str(e.threads),
                      "--dtype", cfg.model.dtype, "--port-file", str(port_file)]
+            if e.tensor_parallel_size > 1:
+                extra += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
             cmd = engine_command(str(model_path), slot.port, e.host, e.kind, extra)
             env = slot.env(visible)
             if slot.gpus:
                 env.update(gpu_memory_args(e))
+            if e.kind == "sglang":  # the most one weight-update call to SGLang takes (engines/sglang/front.py)
+                from pipelinerl.engines.sglang import UPDATE_CHUNK_ENV
+
+                env[UPDATE_CHUNK_ENV] = str(cfg.weight_sync.sglang_update_chunk_mb)
             self.procs.append(start_process(cmd, log, threads=e.threads, env=env))
 
     @property
@@ -177,19 +186,36 @@ def _new_rows(path: Path, offset: int) -> tuple[list[dict], int]:
     return rows, offset + end
 
 
-def trainer_command(cfg: RunConfig, config: str, urls: str, gpus: int) -> list[str]:
+def trainer_command(cfg: RunConfig, config: str, urls: str, gpus: int, node_rank: int = 0,
+                    main_addr: str = "127.0.0.1", main_port: int = 0) -> list[str]:
     """One process, or `trainer.num_processes` under accelerate (GPUs, or an accelerate config such as
-    DeepSpeed ZeRO-3) or torchrun (data parallel on CPU, where `accelerate launch` would need mpirun)."""
+    DeepSpeed ZeRO-3) or torchrun (data parallel on CPU, where `accelerate launch` would need mpirun).
+
+    With `trainer.num_nodes` > 1 this is trainer node `node_rank`'s share (num_processes / num_nodes processes,
+    global ranks from node_rank * share): the launchers of all trainer nodes start theirs with the same arguments
+    but the rank, and they meet at `main_addr`:`main_port` (node 0's address, a port node 0 chose)."""
     t = cfg.trainer
     role = ["-m", "pipelinerl.train", config, "--engines", urls]
     if t.num_processes == 1 and not t.accelerate_config:
         return [sys.executable, *role]
+    nodes = t.num_nodes
     if not gpus and not t.accelerate_config:
-        # --standalone: torchrun's own rendezvous on a port it picks itself
-        return tool_command("torch.distributed.run", "--standalone", "--nproc-per-node", str(t.num_processes),
-                            *role)
-    launch = tool_command("accelerate.commands.launch", "--num_processes", str(t.num_processes),
-                          "--num_machines", "1", "--main_process_port", str(free_port()))
+        if nodes == 1:  # --standalone: torchrun's own rendezvous on a port it picks itself
+            return tool_command("torch.distributed.run", "--standalone", "--nproc-per-node", str(t.num_processes),
+                                *role)
+        return tool_command("torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node_rank),
+                            "--master-addr", main_addr, "--master-port", str(main_port),
+                            "--nproc-per-node", str(t.num_processes // nodes), *role)
+    launch = tool_command("accelerate.commands.launch", "--num_processes", str(t.num_processes))
+    if nodes == 1:
+        launch += ["--num_machines", "1", "--main_process_port", str(free_port())]
+    else:
+        launch += ["--num_machines", str(nodes), "--machine_rank", str(node_rank), "--main_process_ip", main_addr,
+                   "--main_process_port", str(main_port)]
+        if t.accelerate_config:
+            # accelerate's default for DeepSpeed on several machines is pdsh, one command reaching every node over
+            # ssh; here every node's launcher starts its own share, which "standard" (torchrun per node) does
+            launch += ["--deepspeed_multinode_launcher", "standard"]
     if t.accelerate_config:
         launch += ["--config_file", t.accelerate_config]
     elif t.num_processes > 1:
@@ -197,18 +223,24 @@ def trainer_command(cfg: RunConfig, config: str, urls: str, gpus: int) -> list[s
     return [*launch, *role]
 
 
+def trainer_env(plan: NodePlan) -> dict[str, str]:
+    """The environment of this node's trainer processes beside the launcher's own: the node's trainer GPUs."""
+    return gpu_env(plan.trainer_gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
 def run_pipeline(cfg: RunConfig, urls: list[str], run_dir: Path, plan: NodePlan, check: Callable[[], None],
-                 engine_pids: dict[str, int]) -> None:
+                 engine_pids: dict[str, int], trainer_port: int = 0) -> None:
     """Start the trainer and the actor beside the engines, show progress, stop everything at the end.
-    `check` raises when an engine (on any node) is gone."""
+    `check` raises when an engine (on any node) is gone. `trainer_port`: where the trainer processes of all
+    trainer nodes meet (trainer.num_nodes > 1)."""
     config = str(run_dir / "config.yaml")
     reset_stream(cfg.streams, run_dir, "control")  # control messages are per launch
     joined = ",".join(urls)
     gpus = plan.trainer_gpus
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     no_gpu = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}  # the actor and reward workers never need one
+    trainer = trainer_command(cfg, config, joined, len(gpus), 0, plan.node.master_addr, trainer_port)
     roles = {
-        "trainer": (trainer_command(cfg, config, joined, len(gpus)), cfg.trainer.threads, gpu_env(gpus, visible)),
+        "trainer": (trainer, cfg.trainer.threads, trainer_env(plan)),
         "actor": ([sys.executable, "-m", "pipelinerl.actor", config, "--engines", joined], 1, no_gpu),
     }
     children = {name: start_process(cmd, run_dir / "logs" / f"{name}.log", threads=threads, env=env)
@@ -265,6 +297,11 @@ def main(recipe: str, overrides: list[str]) -> int:
             print(f"pipelinerl: {recipe} cannot start here:\n" + "\n".join(f"- {p}" for p in problems),
                   file=sys.stderr)
             return 2
+        # "auto" settings (model.dtype, weight_sync.backend) decided for this node's GPUs, before the resolved
+        # config is written for the children and the engines are given their dtype
+        cfg, notes = resolve_for_machine(cfg, gpus)
+        for note in notes:
+            print(f"pipelinerl: {note}")
         plan = plan_node(cfg, node, gpus)
     except ConfigError as e:
         print(f"pipelinerl: config error: {e}", file=sys.stderr)
@@ -362,15 +399,19 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
         try:
             print(f"starting {len(plan.engines)} {cfg.engine.kind} engine(s); logs in {run_dir / 'logs'}")
             engines.wait_healthy()
-            urls, check = engines.urls, engines.check
+            urls, check, trainer_port = engines.urls, engines.check, 0
             if rendezvous:
                 urls = rendezvous.gather_engines(urls, engines.check)
                 print(f"engines of all {node.world_size} nodes: {', '.join(urls)}")
+                if cfg.trainer.num_nodes > 1:  # the other trainer nodes start their processes now
+                    trainer_port = free_port()
+                    rendezvous.start_trainer(trainer_port, urls)
 
                 def check() -> None:
                     engines.check()
                     rendezvous.raise_if_failed()
-            run_pipeline(cfg, urls, run_dir, plan, check, engine_pids=engines.pids)
+                    rendezvous.check_nodes()
+            run_pipeline(cfg, urls, run_dir, plan, check, engine_pids=engines.pids, trainer_port=trainer_port)
         except (RuntimeError, TimeoutError) as e:
             if rendezvous and isinstance(e, ChildFailed):
                 e = rendezvous.root_cause(e)
@@ -392,11 +433,14 @@ class RunOver(Exception):
 
 
 def run_engine_node(cfg: RunConfig, plan: NodePlan) -> int:
-    """Nodes 1..WORLD_SIZE-1 of a multi-node run: serve engines to node 0 until it says the run is over."""
+    """Nodes 1..WORLD_SIZE-1 of a multi-node run: serve engines to node 0 and, on the trainer's other nodes (ranks
+    below trainer.num_nodes), run this node's share of the trainer processes, until node 0 says the run is over."""
     node = plan.node
-    log_dir = Path(cfg.run_dir) / "logs" / f"node{node.rank}"
+    run_dir = Path(cfg.run_dir)
+    log_dir = run_dir / "logs" / f"node{node.rank}"
     try:
         rendezvous = NodeRendezvous(node)
+        rendezvous.start_heartbeat()
     except NodeLost as e:
         print(f"pipelinerl: {e}", file=sys.stderr)
         return 1
@@ -406,11 +450,28 @@ def run_engine_node(cfg: RunConfig, plan: NodePlan) -> int:
         if status is not None:
             raise RunOver(status)
 
+    trainer: subprocess.Popen | None = None
+    trainer_log = log_dir / "trainer.log"
     try:
         model_path = rendezvous.wait_model(stop_when_over)
         host = advertised_host(cfg.engine.host, node.master_addr, node.master_port)
         print(plan.describe())
         engines = Engines(cfg, Path(model_path), plan.engines, log_dir, advertise_host=host)
+
+        def watch() -> None:
+            """Report a dead engine or trainer process of this node to node 0 (which stops the run naming it),
+            then stop here too; stop when node 0 says the run is over."""
+            try:
+                engines.check()
+                code = trainer.poll() if trainer is not None else None
+                if code not in (None, 0):  # 0: this share trained to the end; node 0 says when the run is over
+                    raise ChildFailed(f"trainer exited with code {code}\n--- last lines of {trainer_log} ---\n"
+                                      f"{tail(trainer_log)}")
+            except RuntimeError as e:
+                rendezvous.fail(str(e))
+                raise
+            stop_when_over()
+
         try:
             try:
                 engines.wait_healthy()
@@ -418,20 +479,31 @@ def run_engine_node(cfg: RunConfig, plan: NodePlan) -> int:
                 rendezvous.fail(str(e))
                 raise
             rendezvous.publish_engines(engines.urls)
-            (log_dir / "pids.json").write_text(json.dumps(engines.pids))
             print(f"node {node.rank}: engines {', '.join(engines.urls)} serve node 0; logs in {log_dir}")
+            if plan.runs_trainer:
+                port, urls = rendezvous.wait_trainer(watch)
+                cmd = trainer_command(cfg, str(run_dir / "config.yaml"), ",".join(urls), len(plan.trainer_gpus),
+                                      node.rank, node.master_addr, port)
+                trainer = start_process(cmd, trainer_log, threads=cfg.trainer.threads, env=trainer_env(plan))
+                print(f"node {node.rank}: trainer {plan.trainer_ranks} started, meeting node 0's at "
+                      f"{node.master_addr}:{port}; log in {trainer_log}")
+            (log_dir / "pids.json").write_text(json.dumps(engines.pids | ({"trainer": trainer.pid} if trainer else {})))
             while True:
-                try:
-                    engines.check()
-                except RuntimeError as e:
-                    rendezvous.fail(str(e))
-                    raise
-                stop_when_over()
+                watch()
                 time.sleep(0.5)
+        except RunOver as over:
+            if trainer is not None and over.status == "ok":
+                # node 0's trainer processes are done, so this node's are past their last collective: let them
+                # finish writing and exit on their own
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    trainer.wait(timeout=60)
+            raise
         finally:
+            if trainer is not None:
+                stop_process(trainer)
             engines.stop()
     except RunOver as over:
-        print(f"node {node.rank}: the run is over ({over.status}); engines stopped")
+        print(f"node {node.rank}: the run is over ({over.status}); its processes stopped")
         return 0 if over.status == "ok" else 1
     except (NodeLost, RuntimeError, TimeoutError) as e:
         print(f"pipelinerl: node {node.rank} failed: {e}", file=sys.stderr)

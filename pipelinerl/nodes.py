@@ -2,25 +2,34 @@
 MASTER_ADDR:MASTER_PORT (torch.distributed's TCPStore, so nothing beyond torch is needed on the nodes).
 
     node 0                                   node r > 0
+                                         <-  beats alive/r every second (a thread), from start to end
     prepares the model, sets model_ready ->  waits for model_ready, starts its engines
     waits for engines/r                  <-  publishes its engines' URLs once they are healthy
-    runs trainer + actor on all engines      watches its engines and the store
-    sets finished=ok|failed              ->  stops its engines, acknowledges, exits 0 (ok) or 1
-    (a node r whose engine dies sets failed, which stops node 0 with the cause)
+    with trainer.num_nodes > 1: sets     ->  trainer nodes (r < trainer.num_nodes) start their share of the
+      trainer (port, every engine URL)         trainer processes, which meet node 0's at MASTER_ADDR:port
+    runs trainer + actor on all engines      watches its engines, its trainer processes and the store
+    sets finished=ok|failed              ->  stops its processes, acknowledges, exits 0 (ok) or 1
+    (a node r whose engine or trainer process dies sets failed, which stops node 0 with the cause; a node whose
+    heartbeat stops, its launcher or the machine gone, stops node 0 naming it)
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
 from pipelinerl.placement import NodeEnv
 
+HEARTBEAT_S = 1.0  # how often nodes r > 0 say they are alive
+LOST_AFTER_S = 30.0  # node 0 stops the run when a node has not said so for this long
+
 
 class NodeLost(RuntimeError):
-    """Node 0's store stopped answering: node 0 is gone."""
+    """A node is gone: node 0's store stopped answering (seen from nodes r > 0), or node r's heartbeat stopped
+    (seen from node 0)."""
 
 
 class NodeRendezvous:
@@ -36,6 +45,9 @@ class NodeRendezvous:
             what = "listen on" if node.rank == 0 else "reach node 0 at"
             raise NodeLost(f"node {node.rank}: cannot {what} {node.master_addr}:{node.master_port} "
                            f"(MASTER_ADDR/MASTER_PORT): {e}") from e
+        self._beats: dict[int, tuple[int, float]] = {}  # node 0: rank -> (heartbeat count, when it last changed)
+        self._lost: set[int] = set()  # node 0: nodes found gone (not waited for at the end)
+        self._heartbeat_stop: threading.Event | None = None
 
     # --- small typed wrappers over the store -------------------------------------------------------------------
 
@@ -51,8 +63,10 @@ class NodeRendezvous:
         except (RuntimeError, OSError) as e:  # TCPStore raises RuntimeError/DistNetworkError on a lost server
             raise NodeLost(f"node 0 ({self.node.master_addr}:{self.node.master_port}) stopped answering: {e}") from e
 
-    def _wait_for(self, key: str, what: str, check: Callable[[], None], poll_s: float = 0.2) -> object:
-        deadline = time.monotonic() + self.timeout_s
+    def _wait_for(self, key: str, what: str, check: Callable[[], None], timeout_s: float | None,
+                  poll_s: float = 0.2) -> object:
+        """The key's value once set; `check` runs at every poll (it raises to give up); None: no deadline."""
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
         while (value := self._get(key)) is None:
             check()
             if time.monotonic() > deadline:
@@ -66,7 +80,7 @@ class NodeRendezvous:
         self._set("model_ready", path)
 
     def wait_model(self, check: Callable[[], None] = lambda: None) -> str:
-        return str(self._wait_for("model_ready", "model from node 0", check))
+        return str(self._wait_for("model_ready", "model from node 0", check, self.timeout_s))
 
     def publish_engines(self, urls: list[str]) -> None:
         self._set(f"engines/{self.node.rank}", urls)
@@ -76,11 +90,72 @@ class NodeRendezvous:
         def check_all() -> None:
             check()
             self.raise_if_failed()
+            self.check_nodes()
 
         urls = list(local_urls)
         for rank in range(1, self.node.world_size):
-            urls += list(self._wait_for(f"engines/{rank}", f"engines from node {rank}", check_all))
+            urls += list(self._wait_for(f"engines/{rank}", f"engines from node {rank}", check_all, self.timeout_s))
         return urls
+
+    def start_trainer(self, port: int, engine_urls: list[str]) -> None:
+        """Node 0, with trainer.num_nodes > 1: the trainer nodes may start their trainer processes, which meet node
+        0's at MASTER_ADDR:`port` and are given every engine's URL."""
+        self._set("trainer", {"port": port, "engines": engine_urls})
+
+    def wait_trainer(self, check: Callable[[], None]) -> tuple[int, list[str]]:
+        """Trainer nodes r > 0: (port, engine URLs) once node 0 starts the trainer. No deadline of its own: node 0
+        sets it when every node's engines are up, and `check` raises when the run is over or node 0 is gone."""
+        value = self._wait_for("trainer", "trainer start from node 0", check, None)
+        return int(value["port"]), [str(u) for u in value["engines"]]
+
+    # --- liveness ------------------------------------------------------------------------------------------------
+
+    def start_heartbeat(self, interval_s: float = HEARTBEAT_S) -> None:
+        """Nodes r > 0: count `alive/r` up every `interval_s` on a thread of its own (with a store connection of its
+        own, as a TCPStore client is not shared between threads), so that node 0 learns of a node that is gone
+        even while its launcher is busy (starting engines) or when nothing is left to report it."""
+        from torch.distributed import TCPStore
+
+        node = self.node
+        key, stop = f"alive/{node.rank}", threading.Event()
+        try:
+            store = TCPStore(node.master_addr, node.master_port, node.world_size, False,
+                             timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+            store.add(key, 1)
+        except (RuntimeError, OSError) as e:
+            raise NodeLost(f"node {node.rank}: cannot reach node 0 at {node.master_addr}:{node.master_port} "
+                           f"(MASTER_ADDR/MASTER_PORT): {e}") from e
+
+        def beat() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    store.add(key, 1)
+                except (RuntimeError, OSError):  # node 0 is gone: the launcher's own polling says so
+                    return
+
+        threading.Thread(target=beat, name="pipelinerl-heartbeat", daemon=True).start()
+        self._heartbeat_stop = stop
+
+    def stop_heartbeat(self) -> None:
+        if self._heartbeat_stop is not None:
+            self._heartbeat_stop.set()
+
+    def check_nodes(self, lost_after_s: float = LOST_AFTER_S) -> None:
+        """Node 0: raise NodeLost naming a node whose heartbeat has not moved for `lost_after_s` (counted from the
+        last change this node 0 saw; a node that never beat is not checked: waiting for it times out instead)."""
+        now = time.monotonic()
+        for rank in range(1, self.node.world_size):
+            try:
+                count = self.store.add(f"alive/{rank}", 0)
+            except (RuntimeError, OSError) as e:
+                raise NodeLost(f"node 0's own store stopped answering: {e}") from e
+            seen = self._beats.get(rank)
+            if seen is None or seen[0] != count:
+                self._beats[rank] = (count, now)
+            elif count > 0 and now - seen[1] >= lost_after_s:
+                self._lost.add(rank)
+                raise NodeLost(f"node {rank} is gone: its launcher has not been heard from for {now - seen[1]:.0f} s "
+                               "(the machine, its network or the launcher died; its log says more, if it has one)")
 
     def fail(self, message: str) -> None:
         self._set("failed", {"node": self.node.rank, "message": message})
@@ -90,15 +165,18 @@ class NodeRendezvous:
         if failure is not None:
             raise RuntimeError(f"node {failure['node']} failed: {failure['message']}")
 
-    def root_cause(self, local: Exception, grace_s: float = 5.0) -> Exception:
+    def root_cause(self, local: Exception, grace_s: float = 5.0, silent_s: float = 3.0) -> Exception:
         """Node 0, after `local` stopped the run: another node's reported failure if one arrives within
-        `grace_s`, else `local`. When an engine on another node dies, node 0's trainer fails its next
-        broadcast at once, while that node reports the engine at its next poll: the dead engine, not the
-        trainer that lost its peer, is the cause to name."""
+        `grace_s`, or a node whose heartbeat has been silent for `silent_s` (three beats missed; short enough to be
+        seen within the grace however late the loss was noticed), else `local`. When an engine or a trainer
+        process on another node dies (or the node itself), node 0's trainer fails its next collective or broadcast
+        at once, while that node reports at its next poll (or never): the dead process or node, not the trainer
+        that lost its peer, is the cause to name."""
         deadline = time.monotonic() + grace_s
         while True:
             try:
                 self.raise_if_failed()
+                self.check_nodes(lost_after_s=silent_s)
             except RuntimeError as remote:
                 return RuntimeError(f"{remote}\n(then on node {self.node.rank}: {local})")
             if time.monotonic() >= deadline:
@@ -107,15 +185,17 @@ class NodeRendezvous:
 
     def finish(self, ok: bool, wait_s: float = 30.0) -> None:
         """Node 0: tell every node the run is over and wait (briefly) until they heard it, so that node 0's store
-        does not vanish before they read the news."""
+        does not vanish before they read the news. Nodes found gone are not waited for."""
         self._set("finished", "ok" if ok else "failed")
         deadline = time.monotonic() + wait_s
-        while self.store.add("acknowledged", 0) < self.node.world_size - 1 and time.monotonic() < deadline:
+        expected = self.node.world_size - 1 - len(self._lost)
+        while self.store.add("acknowledged", 0) < expected and time.monotonic() < deadline:
             time.sleep(0.2)
 
     def finished(self) -> str | None:
         """Nodes r > 0: None while the run goes on, else "ok" or "failed" (acknowledged once read)."""
         status = self._get("finished")
         if status is not None:
+            self.stop_heartbeat()  # before node 0, acknowledged, takes its store away
             self.store.add("acknowledged", 1)
         return status

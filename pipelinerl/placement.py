@@ -1,10 +1,12 @@
 """Where the processes of a run go: which node, which GPUs, which port.
 
 A run spans `WORLD_SIZE` nodes (1 unless the environment says otherwise; `RANK` is this node, `MASTER_ADDR`
-and `MASTER_PORT` reach node 0). Node 0 runs the trainer on its first `trainer.num_processes` GPUs, the actor
-and the reward pool; every node runs engines on the GPUs left, one GPU each (tensor-parallel engines are
-not supported yet); with `engine.colocate_with_trainer`, node 0's engines share the trainer's GPUs instead. On a machine
-without GPUs the roles share the cores through their thread counts (`engine.threads`, `trainer.threads`).
+and `MASTER_PORT` reach node 0). The trainer runs on the first `trainer.num_nodes` nodes, an equal share of its
+`trainer.num_processes` processes on the first GPUs of each (global rank 0, on node 0, alone talks to the engines);
+node 0 also runs the actor and the reward pool. Every node runs engines on the GPUs left, `engine.tensor_parallel_size`
+GPUs each; with `engine.colocate_with_trainer`, the trainer nodes' engines share the trainer's GPUs instead (one
+engine per trainer GPU, so one GPU each). On a machine without GPUs the roles share the cores through their thread
+counts (`engine.threads`, `trainer.threads`).
 
 Planning is pure (a config, a node and a GPU count in, a plan out) so every placement rule is tested without
 the hardware; the launcher applies the plan through each child's environment (CUDA_VISIBLE_DEVICES).
@@ -62,7 +64,8 @@ class NodeEnv:
 @dataclass(frozen=True)
 class EngineSlot:
     index: int  # engine number on this node
-    gpus: tuple[int, ...]  # device indices as this node's launcher sees them; empty on CPU
+    # device indices as this node's launcher sees them, engine.tensor_parallel_size of them; empty on CPU
+    gpus: tuple[int, ...]
     port: int  # 0: the engine binds a free port and reports it
 
     def env(self, visible: str | None = None) -> dict[str, str]:
@@ -73,14 +76,33 @@ class EngineSlot:
 class NodePlan:
     node: NodeEnv
     engines: tuple[EngineSlot, ...]
-    runs_trainer: bool  # node 0: the trainer, the actor and the reward pool
-    trainer_gpus: tuple[int, ...]
+    runs_trainer: bool  # this node runs trainer processes (nodes 0 .. trainer.num_nodes-1)
+    trainer_gpus: tuple[int, ...]  # empty on CPU
+    trainer_processes: int = 0  # this node's share of trainer.num_processes
+    trainer_nodes: int = 1  # trainer.num_nodes
+
+    @property
+    def main(self) -> bool:
+        """Node 0: the trainer's global rank 0, the actor and the reward pool."""
+        return self.node.rank == 0
+
+    @property
+    def first_trainer_rank(self) -> int:
+        """The global rank of this node's first trainer process (every trainer node has the same share)."""
+        return self.node.rank * self.trainer_processes
+
+    @property
+    def trainer_ranks(self) -> str:
+        """This node's trainer ranks in words: "rank 4", "ranks 4-7"."""
+        first, last = self.first_trainer_rank, self.first_trainer_rank + self.trainer_processes - 1
+        return f"ranks {first}-{last}" if last > first else f"rank {first}"
 
     def describe(self) -> str:
         where = f"node {self.node.rank} of {self.node.world_size}"
         parts = []
         if self.runs_trainer:
-            parts.append(f"trainer on GPUs {_ids(self.trainer_gpus)}" if self.trainer_gpus else "trainer on CPU")
+            trainer = f"trainer {self.trainer_ranks}" if self.trainer_nodes > 1 else "trainer"
+            parts.append(f"{trainer} on GPUs {_ids(self.trainer_gpus)}" if self.trainer_gpus else f"{trainer} on CPU")
         for e in self.engines:
             parts.append(f"engine{e.index} on GPUs {_ids(e.gpus)}" if e.gpus else f"engine{e.index} on CPU")
         return f"{where}: {'; '.join(parts) or 'nothing'}"
@@ -102,7 +124,19 @@ def gpu_env(gpus: tuple[int, ...], visible: str | None = None) -> dict[str, str]
 def plan_node(cfg: RunConfig, node: NodeEnv, num_gpus: int) -> NodePlan:
     """This node's share of the run. Raises ConfigError naming the key when the recipe does not fit."""
     e, t = cfg.engine, cfg.trainer
-    runs_trainer = node.rank == 0
+    tp = e.tensor_parallel_size
+    if t.num_nodes > node.world_size:
+        raise ConfigError(f"trainer.num_nodes: the trainer spans {t.num_nodes} nodes, but the run has "
+                          f"{node.world_size} (WORLD_SIZE, or --nodes of `pipelinerl plan`); run it on at least "
+                          f"{t.num_nodes} nodes or lower trainer.num_nodes")
+    if e.colocate_with_trainer and tp > 1:
+        # a colocated engine takes one trainer GPU; spreading one over several would put several of its workers'
+        # memory on every trainer GPU for no gain on the one-GPU machines colocation is for
+        raise ConfigError(f"engine.tensor_parallel_size: {tp} GPUs per engine, but colocated engines "
+                          "(engine.colocate_with_trainer) run one per trainer GPU; set engine.tensor_parallel_size=1 "
+                          "or give the engines GPUs of their own")
+    runs_trainer = node.rank < t.num_nodes
+    share = t.num_processes // t.num_nodes if runs_trainer else 0
     trainer_gpus: tuple[int, ...] = ()
     if num_gpus == 0:
         if e.num_engines == 0:
@@ -112,19 +146,30 @@ def plan_node(cfg: RunConfig, node: NodeEnv, num_gpus: int) -> NodePlan:
     else:
         free = list(range(num_gpus))
         if runs_trainer:
-            if t.num_processes > num_gpus:
-                raise ConfigError(f"trainer.num_processes: {t.num_processes} trainer processes need as many GPUs "
-                                  f"on node 0, which has {num_gpus} (the trainer runs on one node)")
-            trainer_gpus, free = tuple(free[: t.num_processes]), free[t.num_processes:]
+            if share > num_gpus:
+                where = "node 0" if t.num_nodes == 1 else f"each of the trainer.num_nodes {t.num_nodes} nodes"
+                raise ConfigError(f"trainer.num_processes: {share} trainer processes need as many GPUs on {where}, "
+                                  f"which has {num_gpus}" + (" (the trainer runs on one node: trainer.num_nodes 1)"
+                                                             if t.num_nodes == 1 else ""))
+            trainer_gpus, free = tuple(free[:share]), free[share:]
         if e.colocate_with_trainer and runs_trainer:
             # engines share the trainer's GPUs (one-GPU workstations): one engine per trainer GPU at most
             free = list(trainer_gpus)
-        count = e.num_engines or len(free)
-        if count > len(free):
-            raise ConfigError(f"engine.num_engines: {count} engines need a GPU each; node {node.rank} has "
-                              f"{len(free)} left of {num_gpus}" + (f" after the trainer's {len(trainer_gpus)}"
-                                                                    if trainer_gpus else ""))
-        slots = tuple(EngineSlot(i, (free[i],), _port(e.base_port, i)) for i in range(count))
+        after = f" after the trainer's {len(trainer_gpus)}" if trainer_gpus and not e.colocate_with_trainer else ""
+        if e.num_engines:
+            count = e.num_engines
+            if count * tp > len(free):
+                each = "a GPU each" if tp == 1 else f"{tp} GPUs each (engine.tensor_parallel_size)"
+                raise ConfigError(f"engine.num_engines: {count} engines need {each}; node {node.rank} has "
+                                  f"{len(free)} left of {num_gpus}{after}")
+        else:
+            count = len(free) // tp
+            if len(free) % tp:
+                raise ConfigError(f"engine.tensor_parallel_size: engines of {tp} GPUs do not divide the {len(free)} "
+                                  f"GPUs left on node {node.rank} (of {num_gpus}{after}), and engine.num_engines 0 "
+                                  "gives every free GPU to an engine; change engine.tensor_parallel_size or "
+                                  "trainer.num_processes, or set engine.num_engines to leave GPUs idle")
+        slots = tuple(EngineSlot(i, tuple(free[i * tp:(i + 1) * tp]), _port(e.base_port, i)) for i in range(count))
     if not slots and not node.multi_node:
         raise ConfigError("engine.num_engines: no GPU is left for an engine after the trainer's "
                           f"{t.num_processes}; lower trainer.num_processes or run on more nodes")
@@ -132,7 +177,7 @@ def plan_node(cfg: RunConfig, node: NodeEnv, num_gpus: int) -> NodePlan:
         raise ConfigError(f"engine.host: {e.host} is reachable only from this node, but node 0 "
                           f"(MASTER_ADDR={node.master_addr}) must reach every engine; set engine.host=0.0.0.0 "
                           "or this node's address")
-    return NodePlan(node, slots, runs_trainer, trainer_gpus)
+    return NodePlan(node, slots, runs_trainer, trainer_gpus, share, t.num_nodes)
 
 
 def _port(base: int, index: int) -> int:

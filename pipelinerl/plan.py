@@ -26,29 +26,33 @@ Working set of a training micro-batch (c = compute dtype bytes: 2 under bf16, 4 
 - Without gradient checkpointing all L layers' activations are held when the loss's backward starts; with it,
   one hidden state per layer (plus the embedding and final-norm outputs: L + 2 of them, 4 B each when the fp32
   model's residual stream is fp32, else c) and one layer's full activations while it is recomputed.
-- Logits: 12 B per token per vocabulary entry at the peak, in the log-softmax backward: the float32 copy that
-  `logsumexp` keeps for backward (4) and two float32 [T, V] temporaries of its gradient (8). The compute-dtype
-  logits (2 or 4) and the forward's float32 temporaries are gone or fewer bytes by then. The recomputed layer
-  comes after the logits are freed, so the larger of the two counts.
-- The packed-sequence attention mask (sdpa, eager): T^2 bytes, plus its additive copy in the compute dtype.
+- Logits: computed `trainer.logprob_chunk_tokens` rows at a time (`rl.packing.ChunkedHeadLogprobs`), never for
+  all T tokens at once: two float32 [chunk, V] buffers in the forward plus the chunk's compute-dtype matmul output,
+  one float32 buffer and its gradient in the backward; counted as 12 B per chunk row per vocabulary entry. The
+  recomputed layer comes after the logits are freed, so the larger of the two counts.
+- The packed-sequence attention mask (sdpa, eager; `auto` on GPU is flash-attention 2, which `make install` puts
+  there, and needs none): T^2 bytes, plus its additive copy in the compute dtype.
 - Sharded parameters gathered for compute: ZeRO-3, the unit in use and the prefetched one, 2 * max(one layer,
   the V*h embedding) in the parameter dtype; FSDP, the root unit (embedding and LM head) and two layers, in c.
 
 Working set of a weight broadcast (after the step, so the larger of the two working sets counts):
-- ZeRO-3: the main rank gathers every parameter and keeps a copy of each in the engines' dtype until the
-  broadcast (`list(full_parameters())`): N * engine-dtype bytes, plus one gather bucket (max(bucket_mb, 64 MB)
-  plus the largest tensor) and two packing buffers of `bucket_mb`. The other ranks hold one gather bucket.
-- FSDP: every rank materialises the full fp32 state dict (4 B * N) and the main rank two packing buffers.
+- ZeRO-3 and FSDP2 (`pipelinerl.trainer.publisher`): one unit gathered at a time (a `bucket_mb` bucket, or
+  64 MB of tensors when sent per tensor, or the largest tensor alone) in the parameter dtype, on every rank;
+  the main rank also packs into two reused buffers of max(bucket_mb, the largest tensor) in the engines' dtype.
 - Unsharded: no memory when the parameters already are in the engines' dtype (they are broadcast in place);
-  otherwise a copy in the engines' dtype (N * bytes) and two packing buffers.
+  otherwise the two packing buffers (each bucket converted while it is packed).
 - A fixed TRAINER_OVERHEAD_GIB per trainer GPU for the CUDA context, NCCL buffers and allocator fragmentation.
 
-Engines (one GPU each: tensor-parallel engines are not supported yet): the engine takes
-`engine.gpu_memory_utilization` of its GPU; out of it come the weights (N * `model.dtype` bytes), an overhead
-(ENGINE_OVERHEAD_GIB for the CUDA context and CUDA graphs, one prefill chunk of ENGINE_PREFILL_TOKENS tokens at
-(4h + 3i) * dtype bytes per token, and the sampler's float32 logits and log-softmax for `engine.max_running_seqs`
-sequences, 8 * V bytes each), and the rest is KV cache at 2 * L * kv_heads * head_dim * dtype bytes per token.
-With `engine.colocate_with_trainer` the engine's share and the trainer's memory add up on the same GPU.
+Engines (t = `engine.tensor_parallel_size` GPUs each; every figure is per GPU): the engine takes
+`engine.gpu_memory_utilization` of each of its GPUs; out of it come its shard of the weights (N * `model.dtype`
+bytes / t: vLLM and SGLang split every linear layer, the embedding and the LM head over their workers), an
+overhead (ENGINE_OVERHEAD_GIB for the CUDA context and CUDA graphs, one prefill chunk of ENGINE_PREFILL_TOKENS
+tokens at (4h + 3i/t) * dtype bytes per token: the MLP's activations are split, the hidden states are not, and the
+sampler's float32 logits and log-softmax for `engine.max_running_seqs` sequences, 8 * V bytes each, gathered
+whole), and the rest is KV cache at 2 * L * ceil(kv_heads / t) * head_dim * dtype bytes per token (each worker
+keeps its own KV heads of every token, a copy of one when there are fewer heads than workers), so an engine holds
+as many tokens as one of its GPUs does. With `engine.colocate_with_trainer` the engine's share and the trainer's
+memory add up on the same GPU. The trainer's ranks are numbered across its nodes (`trainer.num_nodes`).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelinerl.config import ConfigError, RunConfig, load_config
+from pipelinerl.config import ConfigError, RunConfig, load_config, resolve_for_machine
 from pipelinerl.placement import NodeEnv, NodePlan, plan_node
 
 GIB = 2**30
@@ -407,7 +411,8 @@ def trainer_memory(shape: ModelShape, cfg: RunConfig, sharding: Sharding, main: 
     # hidden states between layers are in the parameters' dtype: an fp32 model's residual stream stays fp32
     checkpoints = (shape.num_layers + 2) * T * shape.hidden_size * pb
     everything = shape.num_layers * layer + 2 * T * shape.hidden_size * pb
-    logits = LOGIT_BYTES * T * shape.vocab_size
+    chunk = min(T, t.logprob_chunk_tokens)
+    logits = LOGIT_BYTES * chunk * shape.vocab_size
     full, checkpointed = everything + logits, checkpoints + max(layer, logits)
     ckpt = t.gradient_checkpointing or sharding.activation_checkpointing
     training: list[Line] = []
@@ -418,13 +423,13 @@ def trainer_memory(shape: ModelShape, cfg: RunConfig, sharding: Sharding, main: 
             training.append(Line("recomputed layer", layer, f"one layer's activations, larger than the logits "
                                                             f"({_gib(logits)} GiB)"))
         else:
-            training.append(Line("logits", logits, f"{LOGIT_BYTES} B x {T} tokens x {shape.vocab_size} vocab "
+            training.append(Line("logits", logits, f"{LOGIT_BYTES} B x {chunk}-token chunk x {shape.vocab_size} vocab "
                                                    f"(then one recomputed layer, {_gib(layer)} GiB)"))
     else:
         training.append(Line("activations", everything, f"checkpointing off: {shape.num_layers} layers x {T} tokens "
                                                         f"(on: {_gib(checkpointed)} GiB)"))
-        training.append(Line("logits", logits, f"{LOGIT_BYTES} B x {T} tokens x {shape.vocab_size} vocab"))
-    if t.attn_implementation in ("sdpa", "eager"):
+        training.append(Line("logits", logits, f"{LOGIT_BYTES} B x {chunk}-token chunk x {shape.vocab_size} vocab"))
+    if t.attn_implementation in ("sdpa", "eager") or (t.attn_implementation == "auto" and not on_gpu):
         mask_bytes = 1 + (pb if eager else c)
         training.append(Line("attention mask", T * T * mask_bytes, f"packed {T} x {T}, bool + additive copy"))
     if sharding.kind == "zero3":
@@ -438,37 +443,45 @@ def trainer_memory(shape: ModelShape, cfg: RunConfig, sharding: Sharding, main: 
     # weight broadcast working set
     bucket = int(cfg.weight_sync.bucket_mb * MIB)
     pack = Line("packing buffers", PACK_BUFFERS * bucket, f"{PACK_BUFFERS} x bucket_mb {cfg.weight_sync.bucket_mb:g}")
+    # (publisher.py: gathered one unit at a time, packed into two reused buffers; a tensor above the bucket size
+    # is a bucket of its own, so the buffers are sized to the larger of the two)
+    largest = max(bucket, shape.largest_tensor * wb)
+    pack = Line("packing buffers", PACK_BUFFERS * largest,
+                f"{PACK_BUFFERS} x max(bucket_mb {cfg.weight_sync.bucket_mb:g}, the largest tensor)")
     broadcast: list[Line] = []
-    if sharding.kind == "zero3":
-        gather = max(bucket, ZERO3_MIN_GATHER) + shape.largest_tensor * pb
+    if sharding.kind in ("zero3", "fsdp"):
+        unit = max(bucket or ZERO3_MIN_GATHER, shape.largest_tensor * wb) // wb * pb
+        broadcast.append(Line("gathered unit", unit, "one bucket (or 64 MB of tensors) gathered at a time"))
         if main:
-            broadcast.append(Line("weight copies", N * wb, f"every parameter gathered and copied to {cfg.model.dtype}"))
-        broadcast.append(Line("gather bucket", gather, "max(bucket_mb, 64 MB) + the largest tensor"))
-        if main and bucket:
-            broadcast.append(pack)
-    elif sharding.kind == "fsdp":
-        broadcast.append(Line("full state dict", N * 4, "FSDP's full fp32 state dict on every rank"))
-        if main and bucket:
             broadcast.append(pack)
     elif main and pb != wb:
-        broadcast.append(Line("weight copies", N * wb, f"fp32 parameters copied to {cfg.model.dtype}"))
-        if bucket:
-            broadcast.append(pack)
+        broadcast.append(pack)
     return TrainerMemory(tuple(state), tuple(training), tuple(broadcast),
                          int(TRAINER_OVERHEAD_GIB * GIB) if on_gpu else 0, tuple(host), ckpt, checkpointed)
 
 
 @dataclass(frozen=True)
 class EngineMemory:
-    """One engine's GPU (host RAM for a CPU engine)."""
+    """One GPU of an engine (host RAM for a CPU engine): with tensor parallelism, each of its GPUs alike."""
 
     kind: str
-    budget: int  # what the engine takes
-    weights: int
+    budget: int  # what the engine takes of each of its GPUs
+    weights: int  # its shard of the weights
     overhead: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # its KV heads' share of a token
     max_model_len: int
     note: str = ""
+    tensor_parallel: int = 1  # GPUs of the engine
+    # vLLM stages each weight update whole on every worker, outside its memory budget: on the GPU when the
+    # update fits in what the budget leaves (`engines/vllm/worker_extension.staging_device`), else in page-locked
+    # host memory. 0: the engine receives in place (embedded) or per call (SGLang).
+    staging: int = 0
+    gpu_bytes: int = 0
+    colocated: bool = False  # the trainer takes its share of the same GPU: staged in host memory to be safe
+
+    @property
+    def staging_on_gpu(self) -> bool:
+        return bool(self.staging) and not self.colocated and self.budget + self.staging <= self.gpu_bytes
 
     @property
     def kv_room(self) -> int:
@@ -484,26 +497,32 @@ class EngineMemory:
 
 
 def engine_overhead(shape: ModelShape, cfg: RunConfig) -> int:
-    wb = DTYPE_BYTES[cfg.model.dtype]
-    chunk = ENGINE_PREFILL_TOKENS * (4 * shape.hidden_size + 3 * shape.intermediate_size) * wb
+    wb, tp = DTYPE_BYTES[cfg.model.dtype], cfg.engine.tensor_parallel_size
+    chunk = ENGINE_PREFILL_TOKENS * (4 * shape.hidden_size + 3 * shape.intermediate_size // tp) * wb
     sampler = cfg.engine.max_running_seqs * shape.vocab_size * 8
     return int(ENGINE_OVERHEAD_GIB * GIB) + chunk + sampler
 
 
 def engine_memory(shape: ModelShape, cfg: RunConfig, gpu_bytes: int) -> EngineMemory:
-    """An engine on a GPU of `gpu_bytes` (0: on CPU, where it holds KV for `engine.max_batch_tokens`)."""
+    """One GPU of an engine, of `gpu_bytes` (0: on CPU, where it holds KV for `engine.max_batch_tokens`)."""
     e = cfg.engine
-    wb = DTYPE_BYTES[cfg.model.dtype]
-    weights = shape.num_params * wb
-    kv = shape.kv_bytes_per_token(wb)
+    wb, tp = DTYPE_BYTES[cfg.model.dtype], e.tensor_parallel_size
+    weights = math.ceil(shape.num_params * wb / tp)
+    kv = 2 * shape.num_layers * math.ceil(shape.num_kv_heads / tp) * shape.head_dim * wb
     if gpu_bytes == 0 or e.kind == "embedded":
         # sized by engine.max_batch_tokens, not by a share of the device
         overhead = engine_overhead(shape, cfg) if gpu_bytes else 0
         return EngineMemory(e.kind, weights + overhead + kv * e.max_batch_tokens, weights, overhead, kv,
-                            e.max_model_len, f"KV for engine.max_batch_tokens {e.max_batch_tokens}")
+                            e.max_model_len, f"KV for engine.max_batch_tokens {e.max_batch_tokens}", tp)
     util = e.gpu_memory_utilization
+    staging = 0
+    if e.kind == "vllm":
+        from pipelinerl.engines.vllm.worker_extension import STAGING_SLACK_BYTES
+
+        staging = shape.num_params * wb + 2 * shape.largest_tensor * wb + STAGING_SLACK_BYTES
     return EngineMemory(e.kind, int(util * gpu_bytes), weights, engine_overhead(shape, cfg), kv, e.max_model_len,
-                        f"engine.gpu_memory_utilization {util:g} x {_gib(gpu_bytes)} GiB")
+                        f"engine.gpu_memory_utilization {util:g} x {_gib(gpu_bytes)} GiB", tp, staging, gpu_bytes,
+                        e.colocate_with_trainer)
 
 
 # --- the plan ------------------------------------------------------------------------------------------------
@@ -582,6 +601,7 @@ def place(cfg: RunConfig, cluster: Cluster) -> list[NodePlan]:
 def make_plan(cfg: RunConfig, cluster: Cluster) -> Plan:
     """The whole plan: placement, memory per GPU, problems, warnings and (when it does not fit) suggestions.
     Raises ConfigError for a recipe that cannot be placed at all."""
+    cfg, _ = resolve_for_machine(cfg, cluster.gpus_per_node)  # "auto" dtype and backend, as the launcher would
     plan = _plan(cfg, cluster, model_shape(cfg), detect_sharding(cfg))
     if plan.on_gpu and not plan.fits:
         plan.suggestions = suggestions(cfg, plan)
@@ -613,7 +633,7 @@ def _gpu_uses(nodes: list[NodePlan], cluster: Cluster, main: TrainerMemory, othe
         for gpu in range(cluster.gpus_per_node):
             roles, need = [], 0
             if gpu in node_plan.trainer_gpus:
-                r = node_plan.trainer_gpus.index(gpu)
+                r = node_plan.first_trainer_rank + node_plan.trainer_gpus.index(gpu)
                 roles.append(f"trainer rank {r}")
                 need += (main if r == 0 else other or main).total
             for slot in node_plan.engines:
@@ -733,17 +753,25 @@ def suggestions(cfg: RunConfig, plan: Plan) -> list[Suggestion]:
                 out.append(Suggestion({"engine.gpu_memory_utilization": 0.95},
                                       f"engine.gpu_memory_utilization=0.95: KV room for {tried.engine.sequences} "
                                       "sequences", tried.fits))
+        tp = e.tensor_parallel_size * 2
+        while not plan.colocated and tp <= cluster.gpus_per_node:  # split each engine over more GPUs
+            tried = _try(plan, cfg, plan.sharding, engine={"tensor_parallel_size": tp})
+            if tried is not None and tried.engine is not None and tried.engine.sequences >= 1:
+                engines = sum(len(n.engines) for n in tried.nodes)
+                out.append(Suggestion({"engine.tensor_parallel_size": tp},
+                                      f"engine.tensor_parallel_size={tp}: {engines} engines of {tp} GPUs, each with "
+                                      f"KV room for {tried.engine.sequences} sequences", tried.fits))
+                break
+            tp *= 2
         if eng.tokens > cfg.sampling.max_new_tokens + 1:
             out.append(Suggestion({"engine.max_model_len": eng.tokens},
                                   f"engine.max_model_len={eng.tokens} (and sampling.max_new_tokens below it): the "
                                   "KV room holds one sequence that long, no more", False))
     need_gib = minimum_gpu_memory(cfg, plan)
     if need_gib is not None and need_gib > cluster.gpu_memory_gib:
-        tp = (" (tensor-parallel engines are not implemented yet: an engine's weights and KV cache must fit on "
-              "one GPU)") if eng is not None and eng.sequences < 1 else ""
         out.append(Suggestion({"resources.gpu_memory_gib": need_gib},
                               f"GPUs of at least {need_gib} GiB (--gpu-memory {need_gib}, "
-                              f"resources.gpu_memory_gib={need_gib}){tp}", True))
+                              f"resources.gpu_memory_gib={need_gib})", True))
     return out
 
 
@@ -772,17 +800,19 @@ def _trainer_options(cfg: RunConfig, plan: Plan) -> list[_Option]:
     if sizes:
         add(_Option("micro_batch", {"trainer.micro_batch_tokens": size}, f"trainer.micro_batch_tokens={size}",
                     {"trainer": {"micro_batch_tokens": size}}, sharding))
-    # more trainer GPUs, sharded: the fewest that fit (or all node 0 can give)
-    most = cluster.gpus_per_node - (0 if cluster.nodes > 1 or plan.colocated else 1)
+    # more trainer GPUs, sharded: the fewest that fit (or all the trainer nodes can give), the same on each
+    most = cluster.gpus_per_node * t.num_nodes - (0 if cluster.nodes > t.num_nodes or plan.colocated else 1)
     zero3 = "launch/accelerate/deepspeed_zero3.yaml"
     for ranks in range(t.num_processes + 1, most + 1):
+        if ranks % t.num_nodes:
+            continue
         trainer: dict[str, Any] = {"num_processes": ranks}
         new_sharding = dataclasses.replace(sharding, ranks=ranks)
         if not sharding.divides[0] and Path(zero3).is_file():  # replicated parameters: shard them
             trainer["accelerate_config"] = zero3
             new_sharding = Sharding("zero3", ranks, sharding.offload_optimizer, sharding.offload_params, source=zero3)
         sections: dict[str, dict[str, Any]] = {"trainer": trainer}
-        left = cluster.gpus_per_node - ranks
+        left = (cluster.gpus_per_node - ranks // t.num_nodes) // e.tensor_parallel_size
         if e.num_engines and cluster.nodes == 1 and not plan.colocated and e.num_engines > left:
             sections["engine"] = {"num_engines": left}
         tried = _try(plan, cfg, new_sharding, **sections)
@@ -900,12 +930,12 @@ def _placement_rows(plan: Plan, cfg: RunConfig) -> list[tuple[str, str, str, str
             rows.append((gpus, _describe_roles(group), _gib(group[0].need) if group[0].roles else "-"))
         if not plan.on_gpu:
             if node_plan.runs_trainer:
-                ranks = cfg.trainer.num_processes
+                ranks = node_plan.trainer_processes
                 rows.append(("CPU", "trainer" + (f" ({ranks} processes)" if ranks > 1 else ""), ""))
             if node_plan.engines:
                 rows.append(("CPU", _describe_roles([GpuUse(rank, 0, (f"engine {s.index}",), 0, 0)
                                                      for s in node_plan.engines]), ""))
-        if node_plan.runs_trainer:
+        if node_plan.main:
             rows.append(("CPU", f"actor, reward pool ({cfg.reward.workers} worker"
                                 f"{'s' if cfg.reward.workers > 1 else ''})", "-" if plan.on_gpu else ""))
         per_node.append(rows)
@@ -947,12 +977,16 @@ def format_plan(plan: Plan, cfg: RunConfig, recipe: str = "") -> str:
                f"intermediate {s.intermediate_size}, vocab {s.vocab_size}, "
                f"{'tied' if s.tie_word_embeddings else 'untied'} embeddings")
     precision = _precision(cfg, plan.on_gpu)
-    out.append(f"trainer  {t.num_processes} process{'es' if t.num_processes > 1 else ''}, {plan.sharding.describe()}; "
+    over = f" over {t.num_nodes} nodes ({t.num_processes // t.num_nodes} each)" if t.num_nodes > 1 else ""
+    out.append(f"trainer  {t.num_processes} process{'es' if t.num_processes > 1 else ''}{over}, "
+               f"{plan.sharding.describe()}; "
                f"mixed precision {precision}, gradient checkpointing "
                f"{'on' if plan.trainer_main.checkpointing else 'off'}, micro-batch {t.micro_batch_tokens} tokens, "
                f"{t.attn_implementation} attention")
     engines = sum(len(n.engines) for n in plan.nodes)
-    out.append(f"engines  {engines} x {e.kind}, {cfg.model.dtype} weights, max_model_len {e.max_model_len}, "
+    tp = f", tensor parallel {e.tensor_parallel_size} ({e.tensor_parallel_size} GPUs each)" \
+        if e.tensor_parallel_size > 1 else ""
+    out.append(f"engines  {engines} x {e.kind}{tp}, {cfg.model.dtype} weights, max_model_len {e.max_model_len}, "
                f"max_running_seqs {e.max_running_seqs}"
                + (f", gpu_memory_utilization {e.gpu_memory_utilization:g}" if plan.on_gpu else "")
                + (", sharing the trainer's GPUs" if plan.colocated else ""))
@@ -1025,7 +1059,7 @@ def _trainer_table(plan: Plan, where: str) -> list[str]:
     lines = _table(title, cols, rows)
     if main.host_bytes:
         lines.append(f"  host RAM for offloaded state: {_gib(main.host_bytes)} GiB per rank, "
-                     f"{_gib(main.host_bytes * ranks)} GiB on node 0 ("
+                     f"{_gib(main.host_bytes * plan.nodes[0].trainer_processes)} GiB on each trainer node ("
                      + ", ".join(f"{x.what} {_gib(x.bytes)}" for x in main.host) + " per rank)")
     return lines
 
@@ -1033,15 +1067,29 @@ def _trainer_table(plan: Plan, where: str) -> list[str]:
 def _engine_table(plan: Plan, where: str) -> list[str]:
     e = plan.engine
     assert e is not None
-    wb = e.weights // plan.shape.num_params
-    rows = [("budget", e.note, [_gib(e.budget)]),
-            ("weights", f"{wb} B/param, the whole model on each engine", [_gib(e.weights)])]
+    tp = e.tensor_parallel
+    wb = round(e.weights * tp / plan.shape.num_params)
+    whole = "the whole model on each engine" if tp == 1 else f"/ {tp}: this GPU's shard of its engine's model"
+    rows = [("budget", e.note, [_gib(e.budget)]), ("weights", f"{wb} B/param, {whole}", [_gib(e.weights)])]
     if e.overhead:
         rows.append(("overhead", f"{ENGINE_OVERHEAD_GIB:g} GiB context/graphs + {ENGINE_PREFILL_TOKENS}-token prefill "
                                  "+ sampler logits", [_gib(e.overhead)]))
     rows.append(("KV cache", f"{e.kv_bytes_per_token:,} B/token: {e.tokens:,} tokens = {e.sequences} sequences of "
                              f"{e.max_model_len}", [_gib(max(0, e.kv_room))]))
-    return _table(f"engine memory{where}, GiB per engine", [""], rows)
+    per = "engine" if tp == 1 else f"engine GPU ({tp} per engine)"
+    lines = _table(f"engine memory{where}, GiB per {per}", [""], rows)
+    if e.staging:
+        if e.staging_on_gpu:
+            lines.append(f"  weight updates staged on each engine GPU: {_gib(e.staging)} GiB beside the budget")
+        elif e.colocated:
+            lines.append(f"  weight updates staged in host memory unless the trainer leaves {_gib(e.staging)} GiB "
+                         "free on the shared GPU (checked at each update)")
+        else:
+            fits = max(0.0, 1 - e.staging / e.gpu_bytes) if e.gpu_bytes else 0.0
+            lines.append(f"  weight updates staged in page-locked host memory: {_gib(e.staging)} GiB per engine "
+                         f"GPU (the whole update on every worker); engine.gpu_memory_utilization <= {fits:.2f} "
+                         "would stage them on the GPU, sparing the host copy")
+    return lines
 
 
 def _table(title: str, cols: list[str], rows: list[tuple[str, str, list[str]]]) -> list[str]:
@@ -1068,7 +1116,7 @@ def plan_to_json(plan: Plan, cfg: RunConfig) -> dict[str, Any]:
 
     def cpu(n: NodePlan) -> list[str]:
         """What runs on a node's CPUs: node 0's actor and reward pool, and on a CPU recipe everything."""
-        roles = ["actor", f"reward pool ({cfg.reward.workers})"] if n.runs_trainer else []
+        roles = ["actor", f"reward pool ({cfg.reward.workers})"] if n.main else []
         if not plan.on_gpu:
             roles += (["trainer"] if n.runs_trainer else []) + [f"engine {s.index}" for s in n.engines]
         return roles
@@ -1080,15 +1128,18 @@ def plan_to_json(plan: Plan, cfg: RunConfig) -> dict[str, Any]:
         "model": {**dataclasses.asdict(plan.shape), "num_params": plan.shape.num_params},
         "sharding": {**dataclasses.asdict(plan.sharding), "description": plan.sharding.describe()},
         "placement": [{"node": n.node.rank, "trainer_gpus": list(n.trainer_gpus),
+                       "trainer_first_rank": n.first_trainer_rank if n.runs_trainer else None,
                        "engines": [{"index": s.index, "gpus": list(s.gpus)} for s in n.engines],
                        "cpu": cpu(n)} for n in plan.nodes],
         "gpus": [{"node": u.node, "gpu": u.gpu, "roles": list(u.roles), "need_bytes": u.need,
                   "capacity_bytes": u.capacity} for u in plan.gpus],
         "trainer": {"rank0": memory(plan.trainer_main), "other_ranks": memory(plan.trainer_other)},
         "engine": None if e is None else {
-            "kind": e.kind, "budget_bytes": e.budget, "weights_bytes": e.weights, "overhead_bytes": e.overhead,
+            "kind": e.kind, "tensor_parallel_size": e.tensor_parallel, "budget_bytes": e.budget,
+            "weights_bytes": e.weights, "overhead_bytes": e.overhead,
             "kv_room_bytes": e.kv_room, "kv_bytes_per_token": e.kv_bytes_per_token, "tokens": e.tokens,
-            "sequences": e.sequences, "max_model_len": e.max_model_len},
+            "sequences": e.sequences, "max_model_len": e.max_model_len, "update_staging_bytes": e.staging,
+            "update_staging_on_gpu": e.staging_on_gpu},
         "problems": plan.problems,
         "warnings": plan.warnings,
         "suggestions": [dataclasses.asdict(x) for x in plan.suggestions],
@@ -1157,7 +1208,9 @@ def main(args: argparse.Namespace) -> int:
                  "resources.gpu_memory_gib": args.gpu_memory}
         overrides = list(args.overrides) + [f"{k}={v}" for k, v in flags.items() if v is not None]
         cfg = load_config(args.recipe, overrides)
-        plan = make_plan(cfg, cluster_of(cfg))
+        cluster = cluster_of(cfg)
+        cfg, _ = resolve_for_machine(cfg, cluster.gpus_per_node)  # the report names the dtype it planned
+        plan = make_plan(cfg, cluster)
     except ConfigError as e:
         print(f"pipelinerl plan: config error: {e}", file=sys.stderr)
         return 2

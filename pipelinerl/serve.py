@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="embedded engine: receive weight updates in a process of its own, the weights in shared "
                         "memory (process: no GIL shared with decoding; CPU only), or on a thread of the server "
                         "(thread). auto: a process on CPU, a thread on GPU")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vllm, sglang: workers (GPUs) per engine, each a rank of the weight-update group")
     p.add_argument("--initial-version", type=int, default=0, help="weight version of the loaded weights")
     p.add_argument("--log-level", default="warning")
 

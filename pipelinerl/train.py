@@ -17,18 +17,20 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pipelinerl.config import RunConfig, load_config
+from pipelinerl.config import RunConfig, load_config, resolve_for_machine
 from pipelinerl.metrics import MetricsSink
+from pipelinerl.placement import detect_gpus
 from pipelinerl.procs import role_arguments
 from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.trainer import Trainer
 from pipelinerl.trainer.checkpoint import checkpoint_dir, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from pipelinerl.trainer.ranks import host_barrier
 
 log = logging.getLogger("pipelinerl.train")
 
@@ -105,7 +107,8 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     if ckpt is not None:
         position = load_checkpoint(trainer, ckpt)
         log.info("resumed from %s at version %d", ckpt, trainer.version)
-    group = trainer.connect_engines(engine_urls)
+    # every tensor-parallel worker of an engine is a rank of the weight-update group
+    group = trainer.connect_engines(engine_urls, ranks_per_engine=cfg.engine.tensor_parallel_size)
     if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights
         trainer.broadcast_weights(group, engine_urls)
     control = open_writer(cfg.streams, run_dir, "control", "trainer") if main else None
@@ -117,6 +120,9 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     try:
         if evaluator.enabled and trainer.version == 0:
             metrics.write(evaluator.run(0, time.monotonic() - started, feed.consumed))
+        # The other processes wait here, not in the first step's collectives, while the main one connects to the
+        # engines and evaluates (longer than any collective timeout that still catches a hang: see ranks.py).
+        host_barrier("connecting to the engines and the first held-out evaluation")
         last = time.monotonic()
         while trainer.version < cfg.trainer.max_steps:
             batch, dropped = feed.take_fresh(
@@ -142,6 +148,8 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
             if evaluator.enabled and (trainer.version % cfg.trainer.eval_every == 0
                                       or trainer.version == cfg.trainer.max_steps):
                 metrics.write(evaluator.run(trainer.version, time.monotonic() - started, feed.consumed))
+            # the main process pushed the weights to the engines (and maybe evaluated) alone
+            host_barrier(f"step {trainer.version}'s weight push and held-out evaluation")
             last = time.monotonic()
             if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0:
                 save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped,
@@ -180,6 +188,10 @@ class HeldOutEval:
             from pipelinerl.tasks import task_from_config
 
             self.task = task_from_config(cfg.task)
+            if cfg.task.reward_fn:  # the verifier that replaces the task's in training replaces it here too
+                from pipelinerl.rewards.pool import resolve
+
+                self.task.reward_fn = resolve(cfg.task.reward_fn)
             self.problems = self.task.eval_problems()
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             from pipelinerl.rewards import RewardPool
@@ -224,9 +236,43 @@ def _position(feed: SampleFeed, stale_dropped: int, started: float) -> dict:
             "elapsed_s": time.monotonic() - started}
 
 
+def nccl_failure_env(run_dir: str | os.PathLike, environ: Mapping[str, str]) -> dict[str, str]:
+    """How NCCL failures end a trainer process: the environment variables to set, each under every name torch
+    reads for it, leaving out any the user set (in `environ`) under one of its names. See docs/gpu.md.
+
+    - async error handling 3: a collective that fails or outlives `trainer.collective_timeout_s` (the weight-update
+      group: `weight_sync.timeout_s`) makes the watchdog log it, naming the group and the operation, and end the
+      process; the launcher then stops the run with the trainer log's last lines. (torch 2.13's default already;
+      explicit so that the behaviour does not depend on the torch version.)
+    - the flight recorder keeps the last 2000 collectives and is dumped on a timeout, one file per rank, into
+      RUN_DIR/logs/nccl_trace/rank_<rank> (torch's default place is ~/.cache/torch, off the run directory);
+      `torchfrtrace RUN_DIR/logs/nccl_trace --prefix rank_` compares the ranks' last collectives.
+    Blocking wait stays off: it would make every collective's wait() hold the host until done, which serialises
+    what DeepSpeed overlaps; the watchdog already bounds each collective."""
+    trace = str(nccl_trace_dir(run_dir) / "rank_")
+    wanted = {
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"): "3",
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+        ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",
+        ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): trace,
+    }
+    return {name: value for names, value in wanted.items() if not any(n in environ for n in names) for name in names}
+
+
+def nccl_trace_dir(run_dir: str | os.PathLike) -> Path:
+    """Where the trainer processes' NCCL flight-recorder dumps go (see `nccl_failure_env`)."""
+    return Path(run_dir).resolve() / "logs" / "nccl_trace"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = role_arguments("train", __doc__.splitlines()[0], argv)
-    train(load_config(args.config), args.engines)
+    cfg = load_config(args.config)
+    # "auto" settings remain only in a config the launcher did not write (it resolves them, for the engines too)
+    cfg, _ = resolve_for_machine(cfg, detect_gpus())
+    # read by torch when the trainer's process groups are made, so set before any is
+    os.environ.update(nccl_failure_env(cfg.run_dir, os.environ))
+    nccl_trace_dir(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # torch makes only its default one
+    train(cfg, args.engines)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         exit_now()
     return 0

@@ -1,9 +1,21 @@
 """The weight-update process group: a torch.distributed group between a trainer (rank 0) and inference
 processes that were started independently, formed by a TCP rendezvous.
 
-The group is built directly from a `TCPStore` and a backend process group object instead of
-`init_process_group`, so a process can belong to it and to its own default group (its tensor-parallel or
-data-parallel world) at the same time.
+Every member forms it the way SGLang does (`init_custom_process_group` in sglang/srt/utils, which vLLM's RLHF
+examples share), so an engine that joins with its own code (SGLang) meets the trainer: rank 0 hosts a
+`TCPStore` (on a port the kernel picks: `host_rendezvous`), every other member reaches it through torch's
+`tcp://address:port` rendezvous, and each one wraps the store in `PrefixStore(group_name, store)` and makes the
+group with torch's `_new_process_group_helper(world_size, rank, [], backend, store, group_name=...)`, which
+adds prefixes of its own (group name, device). Members' ranks are the trainer's 0, then each engine's
+`rank_offset` + its tensor-parallel rank. Not `init_process_group`: a process can belong to the group and to
+its own default group (its tensor-parallel or data-parallel world) at the same time, or to no default group.
+No handshake of our own (SGLang would not take part in it): over gloo, making the group waits for every
+member, so one that never joins is a timeout naming the group, its world size, where it was hosted and what to
+check; over NCCL each member returns at once and the communicator is made at the first broadcast (the trainer
+still waits for every engine's answer to its join request). torch registers the group under its name in the
+process; `destroy()` unregisters it, so a process can join again under the same name. A further member of the
+group in the same process (tests that run an engine and its trainer together, or a join while an earlier one
+was never destroyed) is registered under a name of its own, its store keys renamed to the group's.
 
 Wire format of one update (the inference contract refers to this): the sender broadcasts the tensors in the
 order of the spec list, from rank 0.
@@ -24,16 +36,19 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import logging
-import time
+import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +148,13 @@ class WeightUpdateGroup:
         self.broadcast(torch.zeros(1, device=self.device))
 
     def destroy(self) -> None:
-        """Leave the group. Call it before the process exits: a group torn down during interpreter shutdown
-        can abort the process from a C++ worker thread."""
+        """Leave the group: unregister it from torch (so this process can form one under the same name again)
+        and free it. Call it before the process exits: a group torn down during interpreter shutdown can abort
+        the process from a C++ worker thread."""
         if self.pg is None:
             return
-        self.pg = None  # type: ignore[assignment]
+        pg, self.pg = self.pg, None  # type: ignore[assignment]
+        _unregister(pg, self.group_name)
         self.store = None  # type: ignore[assignment]
         self.buffers.clear()
         self.send_plan = None
@@ -145,17 +162,29 @@ class WeightUpdateGroup:
 
 
 _live_groups: weakref.WeakSet[WeightUpdateGroup] = weakref.WeakSet()
+# Per weight-update group, the names torch registers this process's members of it under (formed, or being
+# formed): the group's own for the first, a name of its own for any other (torch takes one group per name in a
+# process), e.g. a test's engine and trainer in one process, or a rank formed again while the earlier
+# formation was never destroyed. torch keeps a group registered (and alive) until it is destroyed.
+_members: dict[str, set[str]] = {}
+_members_lock = threading.Lock()
 
 
 @atexit.register
 def _destroy_live_groups() -> None:
     for group in list(_live_groups):
         group.destroy()
+    for group_name, members in list(_members.items()):
+        for torch_name in list(members):
+            pg = _registered(torch_name)
+            if pg is not None:
+                _unregister(pg, group_name)
 
 
 def host_rendezvous(master_address: str, world_size: int, timeout_s: float = 120.0) -> dist.TCPStore:
     """Rank 0's store on a port the kernel picks (`.port`): nothing can take the port between choosing it and
-    listening on it, which a port picked in advance cannot promise. Pass it to `init_weight_update_group`."""
+    listening on it, which a port picked in advance cannot promise. Pass it to `init_weight_update_group`; the
+    other members reach it through torch's tcp:// rendezvous at `master_address` and that port."""
     try:
         return dist.TCPStore(master_address, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                              wait_for_workers=False, use_libuv=True)
@@ -173,79 +202,195 @@ def init_weight_update_group(
     timeout_s: float = 120.0,
     store: dist.TCPStore | None = None,
 ) -> WeightUpdateGroup:
-    """Join (rank > 0) or host (rank 0) the group. Every member calls this; it returns once all have joined.
-    Rank 0 may pass the `store` it already hosts (see `host_rendezvous`).
+    """Host (rank 0) or join (rank > 0) the group, as the module docstring describes; SGLang joins the same
+    way with its own code. Rank 0 may pass the `store` it already hosts (see `host_rendezvous`). Over gloo it
+    returns once every member has joined; over NCCL once this member has (the communicator is made at the
+    first broadcast).
 
-    Raises `WeightSyncTimeout` when some member does not join within `timeout_s`.
+    Raises `WeightSyncTimeout` when some member does not join within `timeout_s`, `WeightSyncError` when the
+    group cannot be formed (an unreachable address, a member that gave up).
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     timeout = timedelta(seconds=timeout_s)
-    deadline = time.monotonic() + timeout_s
+    where = f"{master_address}:{store.port if store is not None else master_port}"
+    torch_name = _reserve(group_name)
     try:
-        if store is None:
-            store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                                  timeout=timeout, wait_for_workers=False, use_libuv=True)
-    except Exception as e:  # connection refused until the master is up is retried inside; this is final
-        raise _as_sync_error(e, f"rank {rank} could not reach the rendezvous at {master_address}:{master_port}",
-                             timeout_s) from e
-    prefix = dist.PrefixStore(group_name, store)
-    try:
-        # Every rank announces itself first so a missing peer is reported by rank, not as a bare timeout.
-        prefix.set(f"joined/{rank}", "1")
-        _wait_for_peers(prefix, world_size, deadline, group_name)
-        if backend == "gloo":
-            device = torch.device("cpu")
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            host = master_address if master_address.startswith("127.") or master_address == "localhost" else None
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
-                             else dist.ProcessGroupGloo.create_default_device()]
-            pg = dist.ProcessGroupGloo(prefix, rank, world_size, opts)
-        else:
-            device = torch.device("cuda", torch.cuda.current_device())
-            nccl_opts = dist.ProcessGroupNCCL.Options()
-            nccl_opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefix, rank, world_size, nccl_opts)
-    except WeightSyncError:
+        try:
+            if store is None:
+                store = _connect(master_address, master_port, rank, world_size, timeout)
+        except Exception as e:  # connection refused until rank 0 listens is retried inside; this is final
+            raise _as_sync_error(e, f"rank {rank} could not reach the rendezvous of weight-update group "
+                                    f"{group_name!r} at {where}", timeout_s,
+                                 "check that rank 0 (the trainer) is up and this address is reachable from here") from e
+        try:
+            with _default_group_unbound():
+                pg = _new_group(store, rank, world_size, backend, group_name, torch_name, timeout)
+        except Exception as e:  # over gloo, this member waited here for the others
+            error = _as_sync_error(e, f"rank {rank} could not form weight-update group {group_name!r} of "
+                                      f"{world_size} at {where}", timeout_s,
+                                   "check that every member joined with this group name, world size and backend")
+            if isinstance(error, WeightSyncTimeout):
+                error = WeightSyncTimeout(_not_joined(group_name, rank, world_size, where, timeout_s, e))
+            raise error from e
+    except BaseException:
+        _forget(group_name, torch_name)
         raise
-    except Exception as e:
-        raise _as_sync_error(e, f"rank {rank} could not form group {group_name!r}", timeout_s) from e
+    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
     group = WeightUpdateGroup(pg, rank, world_size, backend, group_name, device, store)
     _live_groups.add(group)
     log.info("joined weight-update group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
     return group
 
 
-def _wait_for_peers(store: dist.Store, world_size: int, deadline: float, group_name: str) -> None:
-    pending = set(range(world_size))
-    while pending:
-        try:
-            pending = {r for r in pending if not store.check([f"joined/{r}"])}
-        except Exception as e:
-            # Rank 0 hosts the store and gives up at the same deadline: a member still waiting then finds the
-            # store closed. The cause is still the members that never joined, so report them.
-            raise WeightSyncTimeout(_not_joined(group_name, pending, world_size)
-                                    + " (the rendezvous at rank 0 closed first)") from e
-        if not pending:
-            return
-        if time.monotonic() > deadline:
-            raise WeightSyncTimeout(_not_joined(group_name, pending, world_size))
-        time.sleep(0.05)
+def _connect(master_address: str, master_port: int, rank: int, world_size: int,
+             timeout: timedelta) -> dist.TCPStore:
+    """Rank 0 hosts the store (not waiting for the others in its constructor: forming the group does, and says
+    which group timed out); the others reach it as SGLang's members do, through torch's tcp:// rendezvous."""
+    if rank == 0:
+        return dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=False, use_libuv=True)
+    host = f"[{master_address}]" if ":" in master_address else master_address  # an IPv6 literal
+    store, _, _ = next(distributed_c10d.rendezvous(f"tcp://{host}:{master_port}", rank, world_size,
+                                                   timeout=timeout))
+    store.set_timeout(timeout)
+    return store
 
 
-def _not_joined(group_name: str, pending: set[int], world_size: int) -> str:
-    return (f"weight-update group {group_name!r}: rank(s) {sorted(pending)} of {world_size} did not join in time; "
-            "check that every engine was asked to join with the same master address, port and world size")
+def _new_group(store: dist.Store, rank: int, world_size: int, backend: str, group_name: str, torch_name: str,
+               timeout: timedelta) -> dist.ProcessGroup:
+    """The group, made exactly as SGLang's `init_custom_process_group` makes it from its rendezvous store:
+    torch's helper keys the store under the name it registers the group by, so a member registered under
+    another name (`_reserve`) sees its keys renamed back to the group's."""
+    prefixed: dist.Store = dist.PrefixStore(group_name, store)
+    if torch_name != group_name:
+        prefixed = _RenamedStore(prefixed, f"{torch_name}/", f"{group_name}/")
+    helper = distributed_c10d._new_process_group_helper
+    # torch 2.6 renamed the helper's `pg_options` to `backend_options`: ask the signature, not the version
+    options = "backend_options" if "backend_options" in inspect.signature(helper).parameters else "pg_options"
+    pg, _ = helper(world_size, rank, [], dist.Backend(backend), prefixed, group_name=torch_name, timeout=timeout,
+                   **{options: None})
+    # The helper registers no rank mapping for a group made this way; destroy_process_group and the
+    # group-relative collectives (dist.broadcast(..., group=pg), which SGLang uses) need one.
+    distributed_c10d._world.pg_group_ranks[pg] = {r: r for r in range(world_size)}
+    return pg
 
 
-def _as_sync_error(e: Exception, what: str, timeout_s: float) -> WeightSyncError:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+class _RenamedStore(dist.Store):
+    """`store` with keys starting with `old` given `new` instead."""
+
+    def __init__(self, store: dist.Store, old: str, new: str):
+        super().__init__()
+        self._store, self._old, self._new = store, old, new
+
+    def _key(self, key: str) -> str:
+        return self._new + key[len(self._old):] if key.startswith(self._old) else key
+
+    def set(self, key, value):
+        self._store.set(self._key(key), value)
+
+    def get(self, key):
+        return self._store.get(self._key(key))
+
+    def add(self, key, value):
+        return self._store.add(self._key(key), value)
+
+    def check(self, keys):
+        return self._store.check([self._key(k) for k in keys])
+
+    def wait(self, keys, timeout=None):
+        keys = [self._key(k) for k in keys]
+        return self._store.wait(keys) if timeout is None else self._store.wait(keys, timeout)
+
+    def compare_set(self, key, expected, desired):
+        return self._store.compare_set(self._key(key), expected, desired)
+
+    def delete_key(self, key):
+        return self._store.delete_key(self._key(key))
+
+    def num_keys(self):
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout):
+        self._store.set_timeout(timeout)
+
+
+@contextmanager
+def _default_group_unbound() -> Iterator[None]:
+    """While the group is made, this process's default group (if any) bound to no device.
+
+    A default group bound to a device (DeepSpeed binds every rank's on CUDA) makes torch make each new NCCL
+    group by splitting the default group's communicator: a collective of the default group's ranks, of whom
+    the weight-update group has one, and that the engines never join. It would hang. Unbound, the group gets
+    a communicator of its own, made as every other member makes its own."""
+    default = distributed_c10d._world.default_pg
+    bound = default.bound_device_id if default is not None else None
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
+
+
+def _reserve(group_name: str) -> str:
+    """The name torch is to register this process's next member of `group_name` under (see `_members`), taken
+    before any network work. A torch group of that name not formed here is an error."""
+    with _members_lock:
+        members = _members.setdefault(group_name, set())
+        registered = set(distributed_c10d._world.pg_names.values())
+        if group_name in registered - members:
+            raise WeightSyncError(f"this process already has a torch process group named {group_name!r}, not a "
+                                  "weight-update group; choose another weight_sync.group_name")
+        torch_name, k = group_name, 1
+        while torch_name in members | registered:
+            torch_name, k = f"{group_name}@{k}", k + 1
+        members.add(torch_name)
+        return torch_name
+
+
+def _forget(group_name: str, torch_name: str) -> None:
+    with _members_lock:
+        _members.get(group_name, set()).discard(torch_name)
+
+
+def _registered(torch_name: str) -> dist.ProcessGroup | None:
+    return next((pg for pg, name in distributed_c10d._world.pg_names.items() if name == torch_name), None)
+
+
+def _unregister(pg: dist.ProcessGroup, group_name: str) -> None:
+    torch_name = distributed_c10d._world.pg_names.get(pg)
+    if torch_name is None:
+        return
+    _forget(group_name, torch_name)
+    try:
+        dist.destroy_process_group(pg)
+    except Exception as e:  # the group is dropped either way; a peer that already left can make shutdown fail
+        log.warning("weight-update group %r: destroying it: %s", group_name, e)
+
+
+def _not_joined(group_name: str, rank: int, world_size: int, where: str, timeout_s: float, e: Exception) -> str:
+    return (f"weight-update group {group_name!r} (world size {world_size}, rendezvous at {where}): rank {rank} "
+            f"waited {timeout_s:g}s for members that did not join ({_first_line(e)}); check that every engine was "
+            "asked to join (its log says why it did not), that it can reach this address and port, and that every "
+            "member was given this group name and world size (each engine's tensor-parallel workers are one rank "
+            "each)")
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _as_sync_error(e: Exception, what: str, timeout_s: float, hint: str = "") -> WeightSyncError:
+    text = _first_line(e)
+    hint = f"; {hint}" if hint else ""
     if "timeout" in text.lower() or "timed out" in text.lower():
-        return WeightSyncTimeout(f"{what} within {timeout_s:g}s: {text}")
-    return WeightSyncError(f"{what}: {text}")
+        return WeightSyncTimeout(f"{what} within {timeout_s:g}s: {text}{hint}")
+    return WeightSyncError(f"{what}: {text}{hint}")
 
 
 def _aligned(n: int) -> int:
@@ -458,27 +603,37 @@ def _pipelined(group: WeightUpdateGroup, buckets: Sequence[_Bucket],
 class _SendPlan:
     """What `broadcast_tensors` works out before sending (specs, buckets, which buckets go from the tensors'
     own memory), kept by the group for the next call with the same tensors at the same addresses: every
-    update of a run sends the same parameters, and working it out again is latency before the first byte."""
+    update of a run sends the same parameters, and working it out again is latency before the first byte.
+    It keeps no tensor: views of what was sent would keep a copy made for one update alive into the next."""
 
     key: tuple
     specs: list[TensorSpec]
     buckets: list[_Bucket]
-    views: list[torch.Tensor | None]
+    in_place: list[bool]  # per bucket: sent from the tensors' own memory
     buffer_bytes: int  # the largest bucket that is packed
 
 
-def _send_plan(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor], bucket_bytes: int) -> _SendPlan:
+def _send_views(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor], bucket_bytes: int
+                ) -> tuple[_SendPlan, list[torch.Tensor | None]]:
+    """The send plan for `tensors` (cached in the group) and, per bucket, its view of the tensors' own memory
+    or None (packed). Reserves the group's buffers for the packed ones."""
     key = (bucket_bytes, tuple((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) for t in tensors))
+    detached = [t.detach() for t in tensors]
     plan = group.send_plan
-    if plan is None or plan.key != key:
+    views: list[torch.Tensor | None] | None = None
+    if plan is not None and plan.key == key:
+        views = [_wire_view(detached, plan.specs, b, group.device) if ok else None
+                 for b, ok in zip(plan.buckets, plan.in_place)]
+        if any(ok and v is None for ok, v in zip(plan.in_place, views)):  # same addresses, other memory
+            views = None
+    if views is None:
         specs = [TensorSpec.of(str(i), t) for i, t in enumerate(tensors)]
         buckets = _layout(specs, bucket_bytes)
-        detached = [t.detach() for t in tensors]
         views = [_wire_view(detached, specs, b, group.device) for b in buckets]
         packed = max((b.nbytes for b, v in zip(buckets, views) if v is None), default=0)
-        plan = group.send_plan = _SendPlan(key, specs, buckets, views, packed)
+        plan = group.send_plan = _SendPlan(key, specs, buckets, [v is not None for v in views], packed)
     group.buffers.reserve(plan.buffer_bytes, group.device)
-    return plan
+    return plan, views
 
 
 def broadcast_tensors(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor], bucket_bytes: int = 0,
@@ -490,11 +645,11 @@ def broadcast_tensors(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor],
     own memory; the others are packed into the group's reused buffers. The tensors must not change until
     this returns. `ready()`, when given, is called once all is set, just before the first broadcast (the
     trainer posts the engines' update requests there, so they are handled while this process waits)."""
-    plan = _send_plan(group, tensors, bucket_bytes)
+    plan, views = _send_views(group, tensors, bucket_bytes)
     sources: list[torch.Tensor] = []
 
     def prepare(k: int, bucket: _Bucket) -> torch.Tensor:
-        flat = plan.views[k]
+        flat = views[k]
         if flat is None:
             if not sources:
                 sources.extend(t.detach() for t in tensors)
@@ -505,6 +660,37 @@ def broadcast_tensors(group: WeightUpdateGroup, tensors: Sequence[torch.Tensor],
         ready()
     _pipelined(group, plan.buckets, prepare)
     return sum(b.nbytes for b in plan.buckets)
+
+
+def broadcast_stream(group: WeightUpdateGroup, specs: Sequence[TensorSpec], tensors: Iterable[torch.Tensor],
+                     bucket_bytes: int = 0, ready: Callable[[], None] | None = None) -> int:
+    """Rank 0: send tensors that are produced one at a time, in the order of `specs`, as `broadcast_tensors`
+    would send a list of them. Returns the bytes sent.
+
+    Each tensor is copied into the group's reused buffers (converted to its spec's dtype) as soon as it is
+    taken, and the next one is asked for only after that: a producer that gathers sharded parameters may free
+    each one once the next is asked for. So the whole update never exists at once on this rank; the memory it
+    takes is `PIPELINE_DEPTH` buffers of the largest bucket (with `bucket_bytes` = 0: of the largest tensor)."""
+    buckets = _layout(specs, bucket_bytes)
+    group.buffers.reserve(max((b.nbytes for b in buckets), default=0), group.device)
+    source = iter(tensors)
+
+    def prepare(k: int, bucket: _Bucket) -> torch.Tensor:
+        flat = group.buffers.slot(k, bucket.nbytes)
+        for i, offset in zip(bucket.indices, bucket.offsets):
+            spec, t = specs[i], next(source, None)
+            if t is None or tuple(t.shape) != spec.shape:
+                raise ValueError(f"tensor {i} ({spec.name}) of the stream is "
+                                 f"{'missing' if t is None else list(t.shape)}, its spec says {list(spec.shape)}")
+            flat[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape).copy_(t)
+        return _on_wire(flat, specs, bucket, bucket_bytes)
+
+    if ready is not None:
+        ready()
+    _pipelined(group, buckets, prepare)
+    if next(source, None) is not None:  # also lets a gathering producer leave its last unit
+        raise ValueError(f"the stream has more tensors than the {len(specs)} specs")
+    return sum(b.nbytes for b in buckets)
 
 
 def receive_tensors(group: WeightUpdateGroup, specs: Sequence[TensorSpec], bucket_bytes: int = 0,

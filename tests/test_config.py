@@ -72,3 +72,31 @@ def test_cli_reports_config_errors_without_a_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "run", str(recipe)], capture_output=True, text=True)
     assert r.returncode == 2
     assert "trainer.lrr" in r.stderr and "Traceback" not in r.stderr
+
+
+SGLANG = ["engine.kind=sglang", "resources.gpus_per_node=8"]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["weight_sync.bucket_mb=512"], "weight_sync.bucket_mb"),
+    (["weight_sync.backend=gloo"], "weight_sync.backend"),
+    (["engine.colocate_with_trainer=true"], "engine.colocate_with_trainer"),
+    (["resources.gpus_per_node=0"], "engine.kind"),
+    (["weight_sync.sglang_update_chunk_mb=0"], "weight_sync.sglang_update_chunk_mb"),
+])
+def test_settings_sglang_cannot_take_fail_naming_the_key(tmp_path, overrides, key):
+    recipe = write(tmp_path, "run_dir: a\nmodel: {path: m}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, SGLANG + overrides)
+    message = str(err.value)
+    assert f"{key}:" in message and "sglang" in message.lower(), message
+
+
+def test_an_unset_bucket_size_is_the_engines_format(tmp_path):
+    """Unset, weight_sync.bucket_mb is 0 for SGLang (one tensor per broadcast) and 4 MB for the others; set, it
+    is kept (0 is what SGLang takes)."""
+    recipe = write(tmp_path, "run_dir: a\nmodel: {path: m}\n")
+    assert load_config(recipe, SGLANG).weight_sync.bucket_mb == 0
+    assert load_config(recipe, ["engine.kind=vllm"]).weight_sync.bucket_mb == 4.0
+    assert load_config(recipe, SGLANG + ["weight_sync.bucket_mb=0"]).weight_sync.bucket_mb == 0
+    assert load_config(recipe, ["weight_sync.bucket_mb=16"]).weight_sync.bucket_mb == 16

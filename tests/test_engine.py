@@ -23,6 +23,7 @@ from pipelinerl.contracts.inference import (
 )
 from pipelinerl.engines.client import EngineError, init_group_on_engines, param_specs, push_weights
 from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings, tensor_checksums
+from pipelinerl.engines.server import ContractError
 from pipelinerl.procs import free_port
 from pipelinerl.weight_sync import broadcast_tensors, init_weight_update_group
 
@@ -513,6 +514,54 @@ def test_idle_switch_uses_live_weights_until_copies_are_built(tiny_model_dir):
         release.set()
         engine.shutdown()
         loop.close()
+
+
+@pytest.mark.parametrize("receiver", ["thread", "process"])
+def test_each_receiver_refuses_a_mismatched_update_and_takes_the_next(tiny_model_dir, receiver):
+    """In process, with each update receiver: a mismatched update is drained (the trainer's broadcast ends) and
+    refused with the field and the reason, the weights untouched; the next update, naming the tied output
+    embedding by its own name, lands in the one tensor both names share."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    engine = EmbeddedEngine(model, str(tiny_model_dir),
+                            EngineSettings(max_running_seqs=2, max_model_len=64, update_receiver=receiver))
+    assert engine.receive_in_process == (receiver == "process")
+    loop = asyncio.new_event_loop()
+    group = None
+
+    def update(pool, named, version):
+        done = pool.submit(loop.run_until_complete, engine.update_weights(
+            UpdateWeightsRequest(version=version, params=param_specs(named), bucket_bytes=4096)))
+        broadcast_tensors(group, [t for _, t in named], 4096)
+        return done.result(timeout=30)
+
+    try:
+        port = free_port()
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(loop.run_until_complete, engine.init_weight_update_group(
+                InitWeightUpdateGroupRequest(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                             world_size=2, backend="gloo", timeout_s=30)))
+            group = init_weight_update_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30)
+            joined.result()
+            assert engine.info().weight_group == "weight_update"
+            before = tensor_checksums(engine.params)
+            embedding = engine.params["model.embed_tokens.weight"]
+            bad = [("model.norm.weight", torch.ones(64)), ("lm_head.weight", torch.zeros(3, 64))]
+            with pytest.raises(ContractError) as refused:
+                update(pool, bad, 1)
+            assert (refused.value.status, refused.value.field) == (400, "params[1].shape")
+            assert refused.value.message == ("params[1]: 'lm_head.weight' has shape [100, 64] in the model, the "
+                                             "update says [3, 64]")
+            assert tensor_checksums(engine.params) == before and engine.metrics.refused_updates == 1
+            new = torch.randn(embedding.shape, generator=torch.Generator().manual_seed(5))
+            assert update(pool, [("lm_head.weight", new)], 2).version == 2
+        assert torch.equal(engine.params["model.embed_tokens.weight"], new)
+        assert engine.params["lm_head.weight"] is engine.params["model.embed_tokens.weight"]
+        assert engine.version == 2 and engine.metrics.updates == 1
+    finally:
+        engine.shutdown()
+        loop.close()
+        if group is not None:
+            group.destroy()
 
 
 def receiver_pid(server_pid: int) -> int:

@@ -38,9 +38,10 @@ def test_recipes_place_their_processes():
     plan = plan_node(cfg, NodeEnv(), num_gpus=8)
     assert plan.trainer_gpus == (0, 1, 2, 3) and [e.gpus for e in plan.engines] == [(4,), (5,), (6,), (7,)]
     cfg = load_config(RECIPES / "orz_32b.yaml")
-    node0 = plan_node(cfg, NodeEnv(4, 0, "10.0.0.1"), num_gpus=8)
-    node3 = plan_node(cfg, NodeEnv(4, 3, "10.0.0.1"), num_gpus=8)
-    assert node0.trainer_gpus == tuple(range(8)) and node0.engines == () and len(node3.engines) == 8
+    node0, node1, node2, node3 = (plan_node(cfg, NodeEnv(4, r, "10.0.0.1"), num_gpus=8) for r in range(4))
+    # the trainer over nodes 0-1, engines of two GPUs (tensor parallel 2) on nodes 2-3
+    assert node0.trainer_gpus == node1.trainer_gpus == tuple(range(8)) and node0.engines == node1.engines == ()
+    assert node1.first_trainer_rank == 8 and [e.gpus for e in node3.engines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     # one GPU: the engine shares the trainer's
     cfg = load_config(RECIPES / "orz_1gpu.yaml")
     plan = plan_node(cfg, NodeEnv(), num_gpus=1)

@@ -54,6 +54,34 @@ def test_other_nodes_run_only_engines_on_every_gpu():
     assert [e.gpus for e in plan.engines] == [(0,), (1,), (2,), (3,)]
 
 
+def test_a_trainer_over_two_nodes_takes_the_first_gpus_of_each_and_engines_the_rest():
+    cfg = config("trainer.num_nodes=2", "trainer.num_processes=8", "engine.num_engines=0", "engine.host=0.0.0.0",
+                 "engine.kind=vllm", "engine.tensor_parallel_size=2")
+    node0, node1, node2 = (plan_node(cfg, NodeEnv(3, r, "10.0.0.1"), 8) for r in range(3))
+    for node in (node0, node1):
+        assert node.runs_trainer and node.trainer_gpus == (0, 1, 2, 3) and node.trainer_processes == 4
+        assert [e.gpus for e in node.engines] == [(4, 5), (6, 7)]
+    assert (node0.first_trainer_rank, node1.first_trainer_rank) == (0, 4)
+    assert node0.main and not node1.main
+    assert not node2.runs_trainer and node2.trainer_gpus == ()
+    assert [e.gpus for e in node2.engines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert "trainer ranks 4-7 on GPUs 0,1,2,3" in node1.describe() and "engine1 on GPUs 6,7" in node1.describe()
+    # on CPU each trainer node runs its share of the processes beside its engines
+    cpu = plan_node(config("trainer.num_nodes=2", "trainer.num_processes=2", "engine.host=0.0.0.0"),
+                    NodeEnv(2, 1, "10.0.0.1"), 0)
+    assert cpu.runs_trainer and cpu.trainer_processes == 1 and cpu.first_trainer_rank == 1 and len(cpu.engines) == 1
+    assert "trainer rank 1 on CPU" in cpu.describe()
+
+
+def test_tensor_parallel_engines_take_that_many_gpus_each():
+    plan = plan_node(config("trainer.num_processes=2", "engine.kind=vllm", "engine.tensor_parallel_size=2",
+                            "engine.num_engines=2"), NodeEnv(), 8)
+    assert [e.gpus for e in plan.engines] == [(2, 3), (4, 5)]  # GPUs 6 and 7 left idle, as asked
+    assert plan.engines[1].env() == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert plan.engines[0].env(visible="8,9,10,11,12,13,14,15") == {"CUDA_VISIBLE_DEVICES": "10,11"}
+    assert "engine1 on GPUs 4,5" in plan.describe()
+
+
 def test_node_zero_may_leave_the_engines_to_other_nodes():
     plan = plan_node(config("trainer.num_processes=8", "engine.num_engines=0"), NodeEnv(2, 0, "10.0.0.1"), 8)
     assert plan.trainer_gpus == tuple(range(8)) and plan.engines == ()
@@ -65,6 +93,15 @@ def test_node_zero_may_leave_the_engines_to_other_nodes():
     (["trainer.num_processes=2", "engine.num_engines=3"], NodeEnv(), 4, "engine.num_engines: 3 engines"),
     (["trainer.num_processes=2", "engine.num_engines=0"], NodeEnv(), 2, "engine.num_engines: no GPU is left"),
     ([], NodeEnv(2, 1, "10.0.0.1"), 0, "engine.host: 127.0.0.1 is reachable only from this node"),
+    (["trainer.num_nodes=2", "trainer.num_processes=2"], NodeEnv(), 4, "trainer.num_nodes: the trainer spans 2 nodes"),
+    (["trainer.num_nodes=2", "trainer.num_processes=10", "engine.host=0.0.0.0"], NodeEnv(2, 1, "h"), 4,
+     "trainer.num_processes: 5 trainer processes need as many GPUs on each of the trainer.num_nodes 2"),
+    (["trainer.num_processes=3", "engine.kind=vllm", "engine.tensor_parallel_size=2", "engine.num_engines=0"],
+     NodeEnv(), 8, "engine.tensor_parallel_size: engines of 2 GPUs do not divide the 5 GPUs left on node 0"),
+    (["trainer.num_processes=2", "engine.kind=vllm", "engine.tensor_parallel_size=4", "engine.num_engines=2"],
+     NodeEnv(), 8, r"engine.num_engines: 2 engines need 4 GPUs each \(engine.tensor_parallel_size\)"),
+    (["engine.kind=vllm", "engine.tensor_parallel_size=2", "engine.colocate_with_trainer=true"], NodeEnv(), 2,
+     "engine.tensor_parallel_size: 2 GPUs per engine, but colocated engines"),
 ])
 def test_placements_that_do_not_fit_name_the_key(overrides, node, gpus, key):
     with pytest.raises(ConfigError, match=key):
@@ -91,6 +128,9 @@ def test_config_keys_are_validated():
         config("trainer.accelerate_config=/no/such.yaml")
     with pytest.raises(ConfigError, match="engine.base_port"):
         config("engine.base_port=70000")
+    with pytest.raises(ConfigError, match="trainer.num_processes: 3 processes do not divide evenly over "
+                                          "trainer.num_nodes 2"):
+        config("trainer.num_nodes=2", "trainer.num_processes=3")
     config("trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml")
 
 
@@ -140,6 +180,51 @@ def test_a_node_zero_that_is_gone_is_noticed():
             time.sleep(0.1)
 
 
+def test_the_trainer_start_reaches_the_trainer_nodes():
+    node0, node1 = nodes(2)
+    threading.Timer(0.3, node0.start_trainer, [4321, ["http://a:1", "http://b:1"]]).start()
+    assert node1.wait_trainer(check=lambda: None) == (4321, ["http://a:1", "http://b:1"])
+
+
+def test_a_node_whose_heartbeat_stops_is_named_by_node_zero_and_not_waited_for():
+    node0, node1, node2 = nodes(3)
+    node1.start_heartbeat(interval_s=0.05)
+    node2.start_heartbeat(interval_s=0.05)
+    for _ in range(5):  # both beat: nothing to say
+        node0.check_nodes(lost_after_s=0.5)
+        time.sleep(0.1)
+    node2.stop_heartbeat()  # as if node 2's machine went away
+    started = time.monotonic()
+    with pytest.raises(NodeLost, match="node 2 is gone"):
+        while time.monotonic() - started < 5:
+            node0.check_nodes(lost_after_s=0.5)
+            time.sleep(0.05)
+    # the end of the run waits for node 1's acknowledgement only
+    threading.Timer(0.2, node1.finished).start()
+    started = time.monotonic()
+    node0.finish(ok=False, wait_s=10)
+    assert time.monotonic() - started < 5
+
+
+def test_the_root_cause_of_a_failure_is_the_other_node_that_reported_or_went_silent():
+    local = RuntimeError("trainer exited with code 1")
+    for silent in (False, True):
+        node0, node1, node2 = nodes(3)
+        node1.start_heartbeat(interval_s=0.05)
+        node2.start_heartbeat(interval_s=0.05)
+        # all alive, nobody reported: the local failure
+        assert node0.root_cause(local, grace_s=0.5, silent_s=0.3) is local
+        if silent:
+            node2.stop_heartbeat()
+            expected = "node 2 is gone"
+        else:  # reported a moment after node 0's trainer noticed the lost peer
+            threading.Timer(0.2, node1.fail, ["trainer exited with code -9"]).start()
+            expected = "node 1 failed: trainer exited with code -9"
+        cause = str(node0.root_cause(local, grace_s=1.0, silent_s=0.3))
+        node1.stop_heartbeat()  # before node 0's store goes
+        assert expected in cause and "(then on node 0: trainer exited with code 1)" in cause
+
+
 def test_waiting_for_an_absent_node_times_out_naming_it():
     node0, _ = nodes(2, timeout_s=1.0)
     with pytest.raises(TimeoutError, match="engines from node 1"):
@@ -161,3 +246,25 @@ def test_trainer_command_per_setting():
     zero3 = cmd(4, "trainer.num_processes=4", "trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml")
     assert zero3[zero3.index("--config_file") + 1] == "launch/accelerate/deepspeed_zero3.yaml"
     assert "--multi_gpu" not in zero3 and zero3[zero3.index("--num_processes") + 1] == "4"
+
+
+def test_trainer_command_for_a_share_of_a_trainer_over_several_nodes():
+    from pipelinerl.launch import trainer_command
+
+    def cmd(gpus: int, *overrides: str) -> list[str]:
+        return trainer_command(config("trainer.num_nodes=2", *overrides), "c.yaml", "http://a:1", gpus, 1, "10.0.0.1",
+                               4321)
+
+    def value(command: list[str], flag: str) -> str:
+        return command[command.index(flag) + 1]
+
+    cpu = cmd(0, "trainer.num_processes=2")
+    assert "--standalone" not in cpu and "torch.distributed.run" in cpu
+    assert [value(cpu, f) for f in ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--nproc-per-node")] \
+        == ["2", "1", "10.0.0.1", "4321", "1"]
+    gpu = cmd(4, "trainer.num_processes=8")  # accelerate counts the processes of all machines
+    assert [value(gpu, f) for f in ("--num_processes", "--num_machines", "--machine_rank", "--main_process_ip",
+                                    "--main_process_port")] == ["8", "2", "1", "10.0.0.1", "4321"]
+    assert "--multi_gpu" in gpu and "--deepspeed_multinode_launcher" not in gpu
+    zero3 = cmd(4, "trainer.num_processes=8", "trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml")
+    assert value(zero3, "--deepspeed_multinode_launcher") == "standard"  # not pdsh: each node starts its own share

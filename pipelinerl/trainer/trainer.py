@@ -31,48 +31,30 @@ from transformers import AutoModelForCausalLM
 
 from pipelinerl.config import TrainerConfig, WeightSyncConfig
 from pipelinerl.contracts.trainer import BroadcastStats
-from pipelinerl.engines.client import EngineClient, init_group_on_engines, push_weights
 from pipelinerl.rl.kl import ReferenceResetPolicy, kl_estimate, reset_reference
 from pipelinerl.rl.losses import (
     aggregate,
     decoupled_ppo_loss,
-    entropy_from_logits,
     gspo_loss,
     ppo_clip_loss,
     reinforce_is_loss,
 )
-from pipelinerl.rl.packing import PackedBatch, packed_logprobs
+from pipelinerl.rl.packing import (
+    PackedBatch,
+    packed_logprobs,
+    packed_logprobs_and_entropy,
+    resolve_attn_implementation,
+)
 from pipelinerl.samples import Sample
 from pipelinerl.trainer.batch import MicroBatch, StepBatch, build_step, filler_micro_batch, pad_micro_batches
 from pipelinerl.trainer.optim import build_optimizer, build_scheduler
-from pipelinerl.weight_sync import (
-    DTYPES,
-    WeightUpdateGroup,
-    adopt_wire_layout,
-    host_rendezvous,
-    in_wire_layout,
-    init_weight_update_group,
-    sibling_order,
-    total_bytes,
-)
+from pipelinerl.trainer.publisher import WeightPublisher
+from pipelinerl.weight_sync import DTYPES, WeightUpdateGroup
 
 log = logging.getLogger(__name__)
 
-# Wrappers that rename parameters: DDP / DeepSpeed put the model under `module.`, torch.compile under
-# `_orig_mod.`, FSDP1 and activation checkpointing insert a segment into every path.
-_PREFIXES = ("module.", "_orig_mod.")
-_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-
 # Sums over trained tokens that make up the step's stats (reduced across data-parallel ranks).
 _SUM_KEYS = ("loss", "tokens", "kl", "entropy", "clip_low", "clip_high", "w", "w2")
-
-
-@functools.lru_cache(maxsize=65536)  # called for every parameter of every update; names repeat
-def clean_name(name: str) -> str:
-    """The Hugging Face name of a parameter seen through wrappers (`module.model.x` -> `model.x`)."""
-    while name.startswith(_PREFIXES):
-        name = name.split(".", 1)[1]
-    return ".".join(part for part in name.split(".") if part not in _SEGMENTS)
 
 
 def make_accelerator(cfg: TrainerConfig) -> Accelerator:
@@ -83,24 +65,28 @@ def make_accelerator(cfg: TrainerConfig) -> Accelerator:
     runs without a GPU, on gloo. accelerate only selects DeepSpeed when not forced to the CPU (forced, the
     processes would silently train as plain data parallel), and without a GPU it picks no process-group backend
     of its own (each process would then think it is alone), so it is told gloo. DeepSpeed's CPU accelerator
-    (chosen when no GPU is found) also uses gloo when oneCCL is not installed."""
+    (chosen when no GPU is found) also uses gloo when oneCCL is not installed.
+
+    The trainer processes' collectives time out after `trainer.collective_timeout_s` (torch's default is 10 minutes
+    for NCCL); work the main process does alone is waited for at the host barrier of `ranks`, opened here, with
+    its own timeout (`trainer.main_process_timeout_s`), so no rank sits in a collective meanwhile."""
+    from datetime import timedelta
+
+    from pipelinerl.trainer.ranks import open_host_barrier
+
     cpu = not torch.cuda.is_available()
     mixed = cfg.mixed_precision
     if mixed == "auto":
         mixed = "no" if cpu else "bf16"
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
     if cpu and parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
-        return Accelerator(mixed_precision=mixed, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
-    return Accelerator(cpu=cpu, mixed_precision=mixed)
-
-
-def _in_wire_order(named: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
-    """`named` in the order updates send them (`sibling_order`)."""
-    return [named[i] for i in _wire_order(tuple(n for n, _ in named))]
-
-
-@functools.lru_cache(maxsize=8)
-def _wire_order(names: tuple[str, ...]) -> list[int]:
-    return sibling_order(names)
+        accelerator = Accelerator(mixed_precision=mixed,
+                                  kwargs_handlers=[InitProcessGroupKwargs(backend="gloo", timeout=timeout)])
+    else:
+        accelerator = Accelerator(cpu=cpu, mixed_precision=mixed,
+                                  kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
+    open_host_barrier(cfg.main_process_timeout_s)
+    return accelerator
 
 
 @contextlib.contextmanager
@@ -119,36 +105,6 @@ def zero3_hidden_from_transformers() -> Iterator[None]:
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
-@contextlib.contextmanager
-def _captured_logits(model: nn.Module) -> Iterator[list[Tensor]]:
-    """Keep a detached handle on the LM head's output during a forward, for the entropy stat.
-
-    `packed_logprobs` returns only log-probs; the logits exist anyway (they are kept for backward), so
-    holding them costs no memory and saves a second forward.
-    """
-    captured: list[Tensor] = []
-    head = model.get_output_embeddings()
-    handle = head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
-    try:
-        yield captured
-    finally:
-        handle.remove()
-
-
-@torch.no_grad()
-def _entropy_sum(logits: Tensor, mask: Tensor, temperature: float, chunk: int = 1024) -> Tensor:
-    """Sum of the sampling distribution's entropy at the positions that predict trained tokens.
-
-    Row t-1 of the logits predicts token t; the distribution sampled from is softmax(logits / temperature).
-    Chunked so that a large vocabulary does not need a [T, V] float32 temporary.
-    """
-    rows = logits.reshape(-1, logits.shape[-1])[:-1][mask[1:]]
-    total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    for start in range(0, rows.shape[0], chunk):
-        total += entropy_from_logits(rows[start:start + chunk].float() / temperature).sum()
-    return total
 
 
 class Trainer:
@@ -170,6 +126,9 @@ class Trainer:
         if self.accelerator.device.type == "cpu":
             torch.set_num_threads(self.cfg.threads)
 
+        # "auto": flash-attention 2 on GPUs where it is installed (no dense mask over packed rows), else sdpa
+        self.attn_implementation = resolve_attn_implementation(self.cfg.attn_implementation, self.accelerator.device,
+                                                               self.cfg.micro_batch_tokens)
         model = self._load_policy()
         self.param_names = [name for name, _ in model.named_parameters()]  # tied weights appear once
         optimizer = build_optimizer(model, self.cfg)
@@ -185,16 +144,12 @@ class Trainer:
         self.ref_resets = ReferenceResetPolicy(every_n_steps=self.cfg.ref_reset_every or None)
         self._version = 0
         self.step = 0  # optimizer_step calls, skipped ones included
-        self._clients: dict[str, EngineClient] = {}
-        self._wire_flats: list[Tensor] = []  # see _keep_wire_layout
-        self._wire_where: tuple[int, list[int]] | None = None
-        self._state_dict_hook: Any = None
 
     # --- setup -----------------------------------------------------------------------------------------------
 
     def _load_policy(self) -> nn.Module:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
-                                                     attn_implementation=self.cfg.attn_implementation)
+                                                     attn_implementation=self.attn_implementation)
         model.config.use_cache = False
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -204,7 +159,7 @@ class Trainer:
         """The frozen KL reference: a whole (unsharded) copy in the engines' dtype on every rank."""
         with zero3_hidden_from_transformers():
             ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.weights_dtype,
-                                                       attn_implementation=self.cfg.attn_implementation)
+                                                       attn_implementation=self.attn_implementation)
         ref.config.use_cache = False
         return ref.to(self.accelerator.device).eval().requires_grad_(False)
 
@@ -241,171 +196,53 @@ class Trainer:
 
     @property
     def bucket_bytes(self) -> int:
-        return int(self.sync_cfg.bucket_mb * 2**20)
+        return self.publisher.bucket_bytes
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    # --- full parameters and weight broadcast ---------------------------------------------------------------
-
-    def full_parameters(self, all_ranks: bool = False) -> Iterator[tuple[str, Tensor]]:
-        """(name, full tensor) for every parameter, in `named_parameters()` order, tied weights once, in the
-        engines' dtype.
-
-        Every rank must iterate it when the model is sharded (gathering is collective); only the main process
-        gets tensors unless `all_ranks`. Unsharded tensors are the live parameters (no copy when the dtype
-        already matches): use them before the next optimizer step.
-        """
-        if self.is_zero3:
-            yield from self._zero3_parameters(all_ranks)
-        elif self.is_fsdp:
-            yield from self._fsdp_parameters(all_ranks)
-        else:
-            dtype = self.weights_dtype
-            for name, p in self._named_live_parameters:
-                t = p.detach()
-                yield name, t if t.dtype == dtype else t.to(dtype)
+    # --- the weight path: all in `publisher.WeightPublisher` ---------------------------------------------------
 
     @functools.cached_property
-    def _named_live_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """(clean name, parameter) of the unsharded model, walked once: the parameters stay the same objects
-        for the whole run (the optimizer holds them too), and walking the module tree again on every
-        broadcast is latency before the engines even hear of the update."""
-        return [(clean_name(n), p) for n, p in self.unwrapped_model.named_parameters()]
+    def publisher(self) -> WeightPublisher:
+        sharding = "zero3" if self.is_zero3 else "fsdp" if self.is_fsdp else "none"
+        return WeightPublisher(self.model, self.unwrapped_model, sharding, self.weights_dtype, self.sync_cfg,
+                               self.accelerator.is_main_process)
 
-    def _zero3_parameters(self, all_ranks: bool) -> Iterator[tuple[str, Tensor]]:
-        """Gather ZeRO-3 partitions a bucket (about `bucket_mb`) at a time, so one gather serves many small
-        tensors without ever materialising the whole model at once in float32."""
-        import deepspeed
-
-        keep = all_ranks or self.accelerator.is_main_process
-        budget = max(self.bucket_bytes, 64 * 2**20)
-        named = [(clean_name(n), p) for n, p in self.unwrapped_model.named_parameters()]
-        bucket: list[tuple[str, nn.Parameter]] = []
-        size = 0
-        for i, (name, p) in enumerate(named):
-            bucket.append((name, p))
-            size += getattr(p, "ds_numel", p.numel()) * p.element_size()
-            if size < budget and i < len(named) - 1:
-                continue
-            with deepspeed.zero.GatheredParameters([q for _, q in bucket], modifier_rank=None):
-                if keep:
-                    for n, q in bucket:
-                        yield n, q.data.to(self.weights_dtype, copy=True)  # the gathered storage is freed on exit
-            bucket, size = [], 0
-
-    def _fsdp_parameters(self, all_ranks: bool) -> Iterator[tuple[str, Tensor]]:
-        """The full state dict through torch's FSDP1/FSDP2-agnostic API, filtered to parameters."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-        state = {clean_name(k): v for k, v in state.items()}
-        if not (all_ranks or self.accelerator.is_main_process):
-            return
-        for name in self.param_names:
-            yield clean_name(name), state.pop(clean_name(name)).detach().to(self.weights_dtype)
-
-    def _client(self, url: str) -> EngineClient:
-        if url not in self._clients:
-            self._clients[url] = EngineClient(url)
-        return self._clients[url]
+    def full_parameters(self, all_ranks: bool = False, device: torch.device | str | None = None
+                        ) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) for every parameter in the engines' dtype, tied weights once
+        (`WeightPublisher.full_parameters`). Collective when the model is sharded: every rank iterates it."""
+        return self.publisher.full_parameters(all_ranks, device)
 
     def connect_engines(self, engine_urls: Sequence[str], ranks_per_engine: int = 1) -> WeightUpdateGroup | None:
         """Form the weight-update group with the engines (main process = rank 0); other ranks get None."""
-        if not self.accelerator.is_main_process:
-            return None
-        s = self.sync_cfg
-        world = 1 + ranks_per_engine * len(engine_urls)
-        # master_port 0: listen first on a port the kernel picks, then tell the engines; a port chosen in
-        # advance may be taken by someone else before we listen on it.
-        store = host_rendezvous(s.master_address, world, s.timeout_s) if not s.master_port else None
-        port = store.port if store is not None else s.master_port
-        world, futures = init_group_on_engines([self._client(u) for u in engine_urls], s.master_address,
-                                               port, s.backend, s.group_name, s.timeout_s,
-                                               ranks_per_engine)
-        group = init_weight_update_group(s.master_address, port, 0, world, s.backend, s.group_name,
-                                         s.timeout_s, store=store)
-        for f in futures:
-            f.result()
-        return group
+        return self.publisher.connect(engine_urls, ranks_per_engine)
 
     def broadcast_weights(self, group: WeightUpdateGroup | None, engine_urls: Sequence[str]) -> BroadcastStats:
-        """Send the current weights as version `self.version` to every engine; return once all switched.
-
-        All trainer ranks call it (gathering sharded parameters is collective); only the main process talks
-        to engines, posting the update to each concurrently while it broadcasts in `bucket_mb` buckets.
-        """
-        start = time.perf_counter()
-        named = list(self.full_parameters())
-        if not self.accelerator.is_main_process:
-            return BroadcastStats(self.version, 0, 0.0)
-        named = _in_wire_order(named)
-        if self._keep_wire_layout(named):
-            named = _in_wire_order(list(self.full_parameters()))
-        if group is None:
-            raise ValueError("the main process needs the weight-update group (see connect_engines)")
-        push_weights(group, [self._client(u) for u in engine_urls], named, self.version, self.bucket_bytes)
-        return BroadcastStats(self.version, total_bytes(t for _, t in named), time.perf_counter() - start)
+        """Send the current weights as version `self.version` to every engine; return once all switched. All
+        trainer ranks call it (gathering sharded parameters is collective); only the main process talks to
+        engines."""
+        return self.publisher.publish(group, engine_urls, self.version)
 
     def lay_out_for_broadcast(self) -> bool:
-        """Lay the parameters out for the bucket size now (the first bucketed broadcast does it otherwise);
-        returns whether they moved. Main process only. See `_keep_wire_layout`."""
-        return self._keep_wire_layout(_in_wire_order(list(self.full_parameters())))
-
-    def _keep_wire_layout(self, named: Sequence[tuple[str, Tensor]]) -> bool:
-        """Keep the live parameters laid out in memory as the wire format lays out an update (one flat buffer
-        per `bucket_mb` bucket, each parameter a view into it), so each bucket is broadcast straight from the
-        parameters' memory instead of being packed into a buffer first: a copy of the whole model per update
-        saved, on the same cores that move the bytes. Re-laid only when the bucket size or device changed.
-
-        Only where the broadcast tensors are the live parameters themselves (unsharded, already in the
-        engines' dtype); parameters stay the same `nn.Parameter` objects, so the optimizer is unaffected.
-        `named`: what `full_parameters` gave for this update, in the order it is sent; returns whether the
-        parameters moved (then it is stale)."""
-        if self.is_zero3 or self.is_fsdp or self.bucket_bytes <= 0:
-            return False
-        where = (self.bucket_bytes, [t.data_ptr() for _, t in named])
-        if where == self._wire_where:  # every update but the first: nothing moved since it was laid out
-            return False
-        params = [p for _, p in _in_wire_order(self._named_live_parameters)]
-        if any(p.dtype != self.weights_dtype or p.device != params[0].device for p in params):
-            return False
-        moved = not in_wire_layout(params, self.bucket_bytes)
-        if moved:
-            self._wire_flats = adopt_wire_layout(params, self.bucket_bytes)
-            log.info("parameters laid out for the wire: %d buckets of up to %g MB", len(self._wire_flats),
-                     self.sync_cfg.bucket_mb)
-            if self._state_dict_hook is None:
-                self._state_dict_hook = self.unwrapped_model.register_state_dict_post_hook(
-                    lambda _module, state_dict, _prefix, _meta: self._unalias_state_dict(state_dict))
-        self._wire_where = (self.bucket_bytes, [p.data_ptr() for p in params])
-        return moved
-
-    def _unalias_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Give `state_dict()` its own copy of every parameter that shares a wire buffer: savers that
-        deduplicate tensors by storage (accelerate's and safetensors') would otherwise keep one parameter
-        per bucket and silently drop the rest. Tied names still share one copy."""
-        flats = {f.untyped_storage().data_ptr() for f in self._wire_flats}
-        copies: dict[tuple, Tensor] = {}
-        for name, t in state_dict.items():
-            # keep_vars=True asks for the parameters themselves, not their values
-            if isinstance(t, Tensor) and not isinstance(t, nn.Parameter) and t.untyped_storage().data_ptr() in flats:
-                key = (t.data_ptr(), t.dtype, tuple(t.shape))
-                if key not in copies:
-                    copies[key] = t.clone()
-                state_dict[name] = copies[key]
+        """See `WeightPublisher.lay_out_for_broadcast`."""
+        return self.publisher.lay_out_for_broadcast()
 
     def close(self) -> None:
         """Close the engine connections and leave the trainer ranks' process group. Every rank calls it, last.
 
         A gloo group left to interpreter shutdown can abort the process from a C++ worker thread ("terminate
         called without an active exception": seen in about one run in eight of two DeepSpeed ranks on CPU)."""
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
+        from pipelinerl.trainer.ranks import close_host_barrier, host_barrier
+
+        self.publisher.close()
         if self.accelerator.num_processes > 1 and dist.is_initialized():
-            dist.barrier()  # no rank tears the group down while another may still be using it
+            # no rank tears the groups down while another may still be using them; the main process may still be
+            # finishing its own work (closing the engine connections, the reward pool), so meet on the host
+            host_barrier("the end of the run")
+            close_host_barrier()
             dist.destroy_process_group()
 
     # --- the optimizer step ---------------------------------------------------------------------------------
@@ -475,14 +312,16 @@ class Trainer:
         """Log-probs of every token under `model` before the update (proximal policy, or KL reference)."""
         with self.accelerator.autocast():
             for mb in micro_batches:
-                mb.packed.fields[field] = packed_logprobs(model, mb.packed, self.cfg.temperature, attention)
+                mb.packed.fields[field] = packed_logprobs(model, mb.packed, self.cfg.temperature, attention,
+                                                          self.cfg.logprob_chunk_tokens)
 
     def _micro_batch_loss(self, mb: MicroBatch, step: StepBatch) -> tuple[Tensor, Tensor, Tensor]:
         """The micro-batch's share of the step loss, plus its stat sums (in `_SUM_KEYS` order) and max IS weight."""
         cfg, p = self.cfg, mb.packed
         mask = p.fields["loss_mask"]
-        with _captured_logits(self.unwrapped_model) as logits:
-            logprobs = packed_logprobs(self.model, p, cfg.temperature, self._attention)
+        # the LM head runs in chunks (no [tokens, vocab] logits); the entropy stat comes from the same chunks
+        logprobs, entropy = packed_logprobs_and_entropy(self.model, p, cfg.temperature, self._attention,
+                                                        cfg.logprob_chunk_tokens)
         per_token, loss_stats = self._policy_loss(logprobs, p)
         kl = torch.zeros_like(logprobs)
         if self.ref_model is not None:
@@ -497,7 +336,7 @@ class Trainer:
             zero = torch.zeros((), device=logprobs.device)
             sums = torch.stack([
                 loss.detach().float(), tokens.float(), kl.detach().sum(),
-                _entropy_sum(logits[-1], mask, cfg.temperature),
+                torch.where(mask, entropy, torch.zeros_like(entropy)).sum(),
                 loss_stats.get("clip_low_frac", zero) * tokens, loss_stats.get("clip_high_frac", zero) * tokens,
                 w.sum(), w.square().sum(),
             ]).to(torch.float64)

@@ -3,23 +3,24 @@
 Data flow: HTTP handlers (asyncio) validate a request and queue it; the engine thread admits queued requests
 between decode steps (prefill once per prompt, its KV cache copied to the n samples), decodes all running
 sequences together, and resolves each request's future when its last sample ends. A weight update is received
-into a spare copy of the weights' storage while decoding goes on: on CPU by a process of its own, the weights
-in shared memory (`receiver.py`: no GIL shared with decoding), on GPU by a worker thread. The engine thread
-swaps spare and live storage at the next step boundary (no copy: see `spare_weights`), so running sequences
-continue from their KV cache under the new weights and every later token carries the new version.
+into a spare copy of the weights' storage while decoding goes on, by the engine's `UpdateReceiver`
+(receiving.py): on CPU a process of its own, the weights in shared memory (no GIL shared with decoding), on GPU
+a worker thread. The engine thread swaps spare and live storage at the next step boundary (no copy: see
+`spare_weights`), so running sequences continue from their KV cache under the new weights and every later
+token carries the new version.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import hashlib
 import logging
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -33,30 +34,20 @@ from pipelinerl.contracts.inference import (
     GenerateResponse,
     InfoResponse,
     InitWeightUpdateGroupRequest,
-    ParamSpec,
     SamplingParams,
     UpdateWeightsRequest,
     UpdateWeightsResponse,
     WeightsChecksumResponse,
 )
+from pipelinerl.engines.common import check_generate, check_update, completions_via_generate
 from pipelinerl.engines.embedded.cpus import CpuSplit
 from pipelinerl.engines.embedded.model_runner import copy_slot, make_runner
-from pipelinerl.engines.embedded.receiver import Receiver, ReceiverDied, Setup, shared_memory_shortfall
+from pipelinerl.engines.embedded.receiving import EngineSide, PendingSwitch, ProcessReceiver, make_receiver
 from pipelinerl.engines.embedded.sampling import SamplingBatch, sample_batch
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
-from pipelinerl.engines.embedded.transpose import UpdateCopies
-from pipelinerl.engines.common import completions_via_generate
 from pipelinerl.engines.server import ContractError, render_metrics
 from pipelinerl.engines.stops import StopStrings, StopTokenizer, StopWatch
-from pipelinerl.weight_sync import (
-    DTYPE_NAMES,
-    DTYPES,
-    TensorSpec,
-    WeightSyncError,
-    WeightUpdateGroup,
-    init_weight_update_group,
-    receive_tensors,
-)
+from pipelinerl.weight_sync import DTYPE_NAMES, DTYPES, TensorSpec, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +59,9 @@ class EngineSettings:
     max_model_len: int = 512
     initial_version: int = 0
     transposed_weights: str = "auto"  # SlotRunner's `transposed`: "auto", "all" or "none"
-    # Where updates are received: "process" (receiver.py: no GIL shared with decoding; CPU only), "thread" (a
+    # Where updates are received (receiving.py): "process" (no GIL shared with decoding; CPU only), "thread" (a
     # thread of the engine's process), "auto" (a process on CPU, a thread on GPU)
     update_receiver: str = "auto"
-
-
-UPDATE_RECEIVERS = ("auto", "process", "thread")
 
 
 @dataclass(eq=False)
@@ -127,22 +115,6 @@ class _DecodeBatch:
         self.span = (self.span[0] + 1, self.span[1] + 1)
 
 
-@dataclass
-class _PendingSwitch:
-    version: int
-    names: list[str]  # the parameters received into the spare storage
-    done: threading.Event = field(default_factory=threading.Event)
-    switch_s: float = 0.0
-    # Transposed copies of the received weights by the runner's relayout slot, built before the switch; the
-    # slots whose weights the switch changes in place (a partial update), whose copies it rebuilds; the slots
-    # whose copies are built after the switch (the engine was idle: see _receive_and_switch).
-    copies: dict[int, torch.Tensor] = field(default_factory=dict)
-    stale_copies: list[int] = field(default_factory=list)
-    copies_after: list[int] = field(default_factory=list)
-    foreign_copies: bool = False  # `copies` are the receiving process's (see SlotRunner.use_copies)
-    on_done: Callable[[], None] | None = None  # called by the thread that switched
-
-
 class Metrics:
     def __init__(self) -> None:
         self.generated_tokens = 0
@@ -161,7 +133,6 @@ class Metrics:
         self.last_update_switch_seconds = 0.0
         self.relayouts = 0  # updates whose weights were copied transposed before the switch
         self.relayout_seconds = 0.0
-        self.receiver_restarts = 0
         self.started = time.monotonic()
 
 
@@ -184,15 +155,21 @@ class EmbeddedEngine:
             log.info("linear kernels (timed on this machine): %s", self.runner.linear_kernels)
         self.eos_ids = _eos_ids(model)
         self.params = dict(model.named_parameters(remove_duplicate=False))
+        # what an update is checked against (common.check_update): tied parameters under each of their names
+        self._param_facts = {n: (DTYPE_NAMES.get(p.dtype), list(p.shape)) for n, p in self.params.items()}
         self.version = settings.initial_version
         self.metrics = Metrics()
-        self.receive_in_process = _receive_in_process(settings.update_receiver, model)
-        self._group: WeightUpdateGroup | None = None  # receiving on a thread
-        self._receiver: Receiver | None = None  # receiving in a process: started when asked to join a group
-        self._group_name: str | None = None
         self._spare = SpareWeights(self.params, getattr(self.runner, "fused_groups", []))
-        if self.receive_in_process:
-            self._share_weights()
+        # Where the runner multiplies by transposed copies of weights (CPU), the copies of an update that arrived
+        # while nothing was decoding are built on this thread after the switch (see ThreadReceiver._receive)
+        self._copier = None
+        if getattr(self.runner, "relayout_slots", None):
+            self._copier = ThreadPoolExecutor(1, "engine-relayout", initializer=self._cpus.pin_transfer)
+        # Chosen (and, for a process, the weights moved to shared memory) before decoding starts
+        self.receiver = make_receiver(settings.update_receiver, EngineSide(
+            self.params, self.runner, self._spare, self._cpus, transposed_copies=self._copier is not None,
+            busy=self._busy, hand_over=self._hand_over, check_engine_thread=self._check_engine_thread))
+        self.receive_in_process = isinstance(self.receiver, ProcessReceiver)
         self._update_lock = asyncio.Lock()
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
@@ -200,25 +177,20 @@ class EmbeddedEngine:
         self._requests: dict[str, _Request] = {}
         self._running: list[_Seq] = []
         self._reserved_tokens = 0
-        self._pending: _PendingSwitch | None = None
+        self._pending: PendingSwitch | None = None
         self._parked = False  # the engine thread waits for work, holding nothing
         self._abort_flag = False
         self._stopped = False
         self._batch: _DecodeBatch | None = None
-        # Where the runner multiplies by transposed copies of weights (CPU), the copies of an update that arrived
-        # while nothing was decoding are built on this thread after the switch (see _receive_and_switch)
-        self._copier = None
-        # copies being built after a switch (when idle: see _receive_and_switch): (version, slots, their future)
+        # copies being built after a switch (when idle: see ThreadReceiver._receive): (version, slots, their future)
         self._copies_after: tuple[int, list[int], Future] | None = None
-        if getattr(self.runner, "relayout_slots", None):
-            self._copier = ThreadPoolExecutor(1, "engine-relayout", initializer=self._cpus.pin_transfer)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
-    # --- contract ------------------------------------------------------------------------------------------
+    # --- contract: generation ------------------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        request = self._make_request(req.prompt_token_ids, req.sampling, req.request_id)
+        request = self._make_request(req)
         with self._cv:
             if request.id in self._requests:
                 raise ContractError(409, f"request_id {request.id!r} is already running", "request_id")
@@ -235,6 +207,21 @@ class EmbeddedEngine:
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
             await self.abort(request.id)
             raise
+
+    def _make_request(self, req: GenerateRequest) -> _Request:
+        s, prompt, params = self.settings, req.prompt_token_ids, req.sampling
+        max_new = check_generate(req, self.vocab_size, s.max_model_len, s.max_running_seqs, self.tokenizer)
+        if params.n * (len(prompt) + max_new) > s.max_batch_tokens:
+            raise ContractError(400, f"sampling.n: {params.n} x {len(prompt) + max_new} tokens exceed "
+                                     f"max_batch_tokens {s.max_batch_tokens}", "sampling.n")
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= self.eos_ids
+        # check_generate refused stop strings without a tokenizer
+        stop_strings = StopStrings(params.stop, self._stop_tokenizer) if params.stop else None
+        loop = asyncio.get_running_loop()
+        return _Request(id=req.request_id or uuid.uuid4().hex, prompt=list(prompt), params=params, max_new=max_new,
+                        stop=frozenset(stop), stop_strings=stop_strings, loop=loop, future=loop.create_future())
 
     def _wake(self) -> None:
         with self._cv:
@@ -258,53 +245,33 @@ class EmbeddedEngine:
             self._cv.notify()
         return [r.id for r in targets]
 
+    # --- contract: weight updates, received by `self.receiver` ---------------------------------------------
+
     async def init_weight_update_group(self, req: InitWeightUpdateGroupRequest) -> None:
         if req.backend == "nccl" and not torch.cuda.is_available():
             raise ContractError(400, "backend 'nccl' needs a GPU; use 'gloo' on CPU", "backend")
         async with self._update_lock:
-            self._group_name = None
-            if self._group is not None:
-                self._group.destroy()
-                self._group = None
-            args = (req.master_address, req.master_port, req.rank_offset, req.world_size, req.backend,
-                    req.group_name, req.timeout_s)
-            try:
-                if self.receive_in_process:
-                    await self._call_receiver("join", *args)
-                else:
-                    self._group = await asyncio.to_thread(init_weight_update_group, *args)
-            except WeightSyncError as e:
-                raise ContractError(504, str(e), type="weight_sync_error") from None
-            self._group_name = req.group_name
+            with _weight_sync_errors():
+                await self.receiver.join(req)
 
     async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         async with self._update_lock:
-            if self._group_name is None or self._group_name != req.group_name:
+            if self.receiver.group_name != req.group_name:
                 raise ContractError(409, f"not in weight-update group {req.group_name!r}; call "
                                          "/v1/weights/init_group first", "group_name", "conflict")
             specs = [TensorSpec(p.name, DTYPES[p.dtype], tuple(p.shape)) for p in req.params]
             t0 = time.perf_counter()
-            problem = self._check_update(req.params)
+            problem = check_update(req.params, self._param_facts)
             if problem is not None:
                 # Drain the broadcast so the trainer and the other engines are not left hanging, but write
                 # nothing into the model.
-                try:
-                    if self.receive_in_process:
-                        await self._call_receiver("drain", specs, req.bucket_bytes)
-                    else:
-                        await asyncio.to_thread(receive_tensors, self._group, specs, req.bucket_bytes)
-                except WeightSyncError as e:
-                    raise ContractError(504, str(e), type="weight_sync_error") from None
+                with _weight_sync_errors():
+                    await self.receiver.drain(specs, req.bucket_bytes)
                 self.metrics.refused_updates += 1
                 raise ContractError(400, problem[1], problem[0], "mismatched_update")
-            pending = _PendingSwitch(req.version, [s.name for s in specs])
-            try:
-                if self.receive_in_process:
-                    received = await self._receive_elsewhere_and_switch(specs, req.bucket_bytes, pending)
-                else:
-                    received = await asyncio.to_thread(self._receive_and_switch, specs, req.bucket_bytes, pending)
-            except WeightSyncError as e:
-                raise ContractError(504, str(e), type="weight_sync_error") from None
+            pending = PendingSwitch(req.version, [s.name for s in specs])
+            with _weight_sync_errors():
+                received = await self.receiver.receive_and_switch(specs, req.bucket_bytes, pending)
             receive_s = received - t0
             nbytes = sum(s.nbytes for s in specs)
             m = self.metrics
@@ -316,11 +283,36 @@ class EmbeddedEngine:
             return UpdateWeightsResponse(version=req.version, received_bytes=nbytes, receive_s=receive_s,
                                          switch_s=pending.switch_s)
 
+    def _hand_over(self, pending: PendingSwitch) -> None:
+        """Have the engine thread switch to the received weights at its next step boundary (the receiver calls
+        this, on whatever thread it received on, then waits for `pending.done` or `pending.on_done`)."""
+        if pending.changes_copies:
+            self.metrics.relayouts += not pending.copies_after  # all built before the switch
+            self.metrics.relayout_seconds += pending.copy_seconds
+        with self._cv:
+            self._pending = pending
+            if self._parked:
+                # Nothing is running and the engine thread cannot leave its wait while we hold the lock, so no
+                # step can run: switch here, sparing two thread wake-ups (the engine thread's and ours).
+                self._switch_weights()
+            else:
+                self._cv.notify()
+
+    def _busy(self) -> bool:
+        with self._cv:
+            return bool(self._running or self._waiting or self._incoming)
+
+    def _check_engine_thread(self) -> None:
+        if not self._thread.is_alive():
+            raise ContractError(500, "engine thread died before switching weights", type="engine_error")
+
+    # --- contract: the rest --------------------------------------------------------------------------------
+
     def info(self) -> InfoResponse:
         return InfoResponse(engine="embedded", model=self.model_name, weight_version=self.version,
                             max_model_len=self.settings.max_model_len, vocab_size=self.vocab_size,
                             max_running_seqs=self.settings.max_running_seqs, eos_token_ids=sorted(self.eos_ids),
-                            weight_group=self._group_name)
+                            weight_group=self.receiver.group_name)
 
     async def weights_checksum(self) -> WeightsChecksumResponse:
         # Read between steps would need the engine thread; a switch is one copy per tensor under the update
@@ -361,7 +353,7 @@ class EmbeddedEngine:
              "updates whose weights were copied transposed (for faster matmuls) before the switch"),
             ("weight_relayout_seconds_total", "counter", m.relayout_seconds,
              "time spent copying received weights transposed, on the receiving CPUs"),
-            ("weight_receiver_restarts_total", "counter", m.receiver_restarts,
+            ("weight_receiver_restarts_total", "counter", self.receiver.restarts,
              "weight-receiving processes that died and were replaced"),
         ]
         return render_metrics(rows)
@@ -373,185 +365,7 @@ class EmbeddedEngine:
         self._thread.join(timeout=10)
         if self._copier is not None:
             self._copier.shutdown(wait=True, cancel_futures=True)
-        if self._group is not None:
-            self._group.destroy()
-        if self._receiver is not None:
-            self._receiver.close()
-
-    # --- validation ----------------------------------------------------------------------------------------
-
-    def _make_request(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> _Request:
-        s = self.settings
-        if len(prompt) >= s.max_model_len:
-            raise ContractError(400, f"prompt_token_ids: {len(prompt)} tokens leave no room to generate within "
-                                     f"the context of {s.max_model_len}", "prompt_token_ids")
-        for name, ids in (("prompt_token_ids", prompt), ("sampling.stop_token_ids", params.stop_token_ids)):
-            bad = next((i for i, t in enumerate(ids) if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ContractError(400, f"{name}[{bad}]: token id {ids[bad]} is outside the vocabulary "
-                                         f"(size {self.vocab_size})", f"{name}[{bad}]")
-        if params.n > s.max_running_seqs:
-            raise ContractError(400, f"sampling.n: {params.n} samples exceed max_running_seqs "
-                                     f"{s.max_running_seqs}", "sampling.n")
-        max_new = min(params.max_new_tokens, s.max_model_len - len(prompt))
-        if params.n * (len(prompt) + max_new) > s.max_batch_tokens:
-            raise ContractError(400, f"sampling.n: {params.n} x {len(prompt) + max_new} tokens exceed "
-                                     f"max_batch_tokens {s.max_batch_tokens}", "sampling.n")
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop |= self.eos_ids
-        stop_strings = None
-        if params.stop:
-            if self._stop_tokenizer is None:
-                raise ContractError(400, "sampling.stop: this engine has no tokenizer to match stop strings with; "
-                                         "use sampling.stop_token_ids", "sampling.stop")
-            stop_strings = StopStrings(params.stop, self._stop_tokenizer)
-        loop = asyncio.get_running_loop()
-        return _Request(id=request_id or uuid.uuid4().hex, prompt=list(prompt), params=params, max_new=max_new,
-                        stop=frozenset(stop), stop_strings=stop_strings, loop=loop, future=loop.create_future())
-
-    def _check_update(self, params: list[ParamSpec]) -> tuple[str, str] | None:
-        """(field, message) of the first mismatch between the update and the model, or None."""
-        seen: set[str] = set()
-        for i, p in enumerate(params):
-            where = f"params[{i}]"
-            if p.name in seen:
-                return f"{where}.name", f"{where}: parameter {p.name!r} appears twice in the update"
-            seen.add(p.name)
-            target = self.params.get(p.name)
-            if target is None:
-                return f"{where}.name", f"{where}: {p.name!r} is not a parameter of the model"
-            if list(target.shape) != p.shape:
-                return (f"{where}.shape", f"{where}: {p.name!r} has shape {list(target.shape)} in the model, "
-                                          f"the update says {p.shape}")
-            if DTYPE_NAMES.get(target.dtype) != p.dtype:
-                return (f"{where}.dtype", f"{where}: {p.name!r} is {DTYPE_NAMES.get(target.dtype)} in the model, "
-                                          f"the update says {p.dtype}")
-        return None
-
-    def _receive_and_switch(self, specs: list[TensorSpec], bucket_bytes: int, pending: _PendingSwitch) -> float:
-        """On a worker thread: receive a checked update into the spare weights while decoding goes on, with the
-        runner's transposed copies of them, then have the engine thread switch at its next step boundary (or
-        switch here if it is idle), and wait for that here (not in another thread hop: every hop is latency the
-        trainer waits through). Returns when the last byte arrived."""
-        received = self._receive_here(specs, bucket_bytes, pending)
-        self._hand_over(pending)
-        while not pending.done.wait(1.0):
-            self._check_engine_thread()
-        return received
-
-    async def _receive_elsewhere_and_switch(self, specs: list[TensorSpec], bucket_bytes: int,
-                                            pending: _PendingSwitch) -> float:
-        """`_receive_and_switch` with the receiving process doing the receiving (and the copies, if busy: see
-        `_receive_here`), all awaited on the event loop: no thread of this process wakes up but this one and the
-        engine thread, which tells this one when it has switched."""
-        received = await self._call_receiver("update", specs, bucket_bytes,
-                                             self._copier is not None and self._busy())
-        loop = asyncio.get_running_loop()
-        switched = loop.create_future()
-        try:
-            spares, copies = self._receiver.tensors(received)
-            self._spare.take_spares(pending.names, spares)
-            if received.slots:
-                pending.copies = copies
-                pending.foreign_copies = True
-                pending.stale_copies = received.stale
-                pending.copies_after = [slot for slot in received.slots
-                                        if slot not in copies and slot not in received.stale]
-                self.metrics.relayouts += not pending.copies_after
-                self.metrics.relayout_seconds += received.copy_seconds
-            pending.on_done = functools.partial(loop.call_soon_threadsafe, _resolve, switched, None)
-            self._hand_over(pending)
-        except BaseException:
-            # The receiving process counts this update as switched to and would receive the next one into what
-            # is still live here: replace it (it starts from the live weights) and let the trainer rejoin.
-            receiver, self._receiver, self._group_name = self._receiver, None, None
-            await asyncio.to_thread(receiver.close)
-            raise
-        while not switched.done():
-            await asyncio.wait([switched], timeout=1.0)
-            self._check_engine_thread()
-        return received.last_byte
-
-    def _hand_over(self, pending: _PendingSwitch) -> None:
-        """Have the engine thread switch to the received weights at its next step boundary."""
-        with self._cv:
-            self._pending = pending
-            if self._parked:
-                # Nothing is running and the engine thread cannot leave its wait while we hold the lock, so no
-                # step can run: switch here, sparing two thread wake-ups (the engine thread's and ours).
-                self._switch_weights()
-            else:
-                self._cv.notify()
-
-    def _check_engine_thread(self) -> None:
-        if not self._thread.is_alive():
-            raise ContractError(500, "engine thread died before switching weights", type="engine_error")
-
-    def _busy(self) -> bool:
-        with self._cv:
-            return bool(self._running or self._waiting or self._incoming)
-
-    def _receive_here(self, specs: list[TensorSpec], bucket_bytes: int, pending: _PendingSwitch) -> float:
-        self._cpus.pin_transfer()  # a pool thread: pinned again each time, it costs one system call
-        group = self._group
-        plan = self._spare.staging(specs, bucket_bytes, group.device)
-        copies = None
-        if self._copier is not None:
-            # Copies before the switch only where it matters: with sequences decoding. With none, the switch
-            # should not wait (the trainer waits for it), nor the transfer share the CPUs with copying.
-            copies = UpdateCopies(self.runner, self._spare.incoming(pending.names), eager=self._busy())
-
-        received = time.perf_counter()
-
-        def after_bucket(indices: list[int]) -> None:
-            nonlocal received
-            received = time.perf_counter()  # the last bucket's: when the last byte arrived
-            plan.after_bucket(indices)
-            if copies is not None:
-                copies.received(indices)
-
-        receive_tensors(group, specs, bucket_bytes, plan.targets, on_bucket=after_bucket)
-        if copies is not None and copies.slots:
-            pending.copies = copies.copies
-            pending.stale_copies = copies.stale
-            pending.copies_after = [slot for slot in copies.slots if slot not in pending.copies
-                                    and slot not in copies.stale]
-            m = self.metrics
-            m.relayouts += not pending.copies_after
-            m.relayout_seconds += copies.seconds
-        return received
-
-    async def _call_receiver(self, command: str, *args):
-        """Run a command in the receiving process, starting it first if need be. One that died is replaced
-        (and counted); the group it was in is gone with it."""
-        if self._receiver is None:
-            self._receiver = await asyncio.to_thread(Receiver, self._receiver_setup())
-        try:
-            return await self._receiver.call(command, *args)
-        except ReceiverDied as e:
-            log.error("%s; starting another", e)
-            self._receiver = await asyncio.to_thread(Receiver, self._receiver_setup())
-            self.metrics.receiver_restarts += 1
-            self._group_name = None
-            raise ContractError(500, f"{e}; another was started: join a weight-update group again with "
-                                     "/v1/weights/init_group", type="engine_error") from None
-        except WeightSyncError:
-            raise
-        except RuntimeError as e:  # reported by the process, which goes on serving
-            raise ContractError(500, str(e), type="engine_error") from None
-
-    def _receiver_setup(self) -> Setup:
-        runner = self.runner
-        return Setup(self.params, getattr(runner, "fused_groups", []),
-                     [live for _, _, live in getattr(runner, "relayout_slots", [])],
-                     sorted(self._cpus.transfer) if self._cpus.enabled else None)
-
-    def _share_weights(self) -> None:
-        """Move every weight into shared memory, for the receiving process to write the next ones beside it.
-        Before decoding starts: moving memory that a step reads would pull it from under the step."""
-        for t in [*self.params.values(), *(buffer for buffer, _ in getattr(self.runner, "fused_groups", []))]:
-            t.share_memory_()
+        self.receiver.close()
 
     # --- the engine thread ---------------------------------------------------------------------------------
 
@@ -561,7 +375,7 @@ class EmbeddedEngine:
             with self._cv:
                 while not (self._running or self._waiting or self._pending or self._abort_flag or self._stopped
                            or self._copies_after is not None and self._copies_after[2].done()):
-                    self._parked = True  # see _receive_and_switch
+                    self._parked = True  # see _hand_over
                     self._cv.wait()
                 self._parked = False
                 if self._stopped:
@@ -782,26 +596,18 @@ class EmbeddedEngine:
             r.loop.call_soon_threadsafe(_reject, r.future, err)
 
 
-def _receive_in_process(choice: str, model: torch.nn.Module) -> bool:
-    """Whether updates are received by a process of their own (EngineSettings.update_receiver)."""
-    if choice not in UPDATE_RECEIVERS:
-        raise ValueError(f"update_receiver must be one of {', '.join(UPDATE_RECEIVERS)}, not {choice!r}")
-    device = next(model.parameters()).device
-    if choice == "thread" or (choice == "auto" and device.type != "cpu"):
-        return False
-    if device.type != "cpu":
-        raise ValueError(f"update_receiver 'process' needs the model on CPU, it is on {device}; use 'thread'")
-    shortfall = shared_memory_shortfall(sum(p.numel() * p.element_size() for p in model.parameters()))
-    if shortfall and choice == "process":
-        raise ValueError(f"update_receiver 'process': {shortfall}; or use 'thread'")
-    if shortfall:
-        log.warning("%s; receiving updates on a thread of the server instead", shortfall)
-    return not shortfall
-
-
 def tensor_checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
             for name, t in named.items()}
+
+
+@contextlib.contextmanager
+def _weight_sync_errors() -> Iterator[None]:
+    """A failed transfer (a peer gone, a timeout) as the contract's 504."""
+    try:
+        yield
+    except WeightSyncError as e:
+        raise ContractError(504, str(e), type="weight_sync_error") from None
 
 
 def _resolve(future: asyncio.Future, value: object) -> None:

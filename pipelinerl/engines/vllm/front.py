@@ -5,10 +5,12 @@
   a sampled token is log softmax(logits / temperature) (temperature 1 for greedy rows), as the contract says.
   Per-token versions come from the `weight_versions` spans vLLM attaches to every finished choice.
 - Weight updates: the worker extension (`worker_extension.py`) through `POST /collective_rpc`
-  (`VLLM_SERVER_DEV_MODE=1`). Receiving runs on a thread in the worker while vLLM keeps decoding; the switch
-  runs with the scheduler paused in `keep` mode and `clear_cache=false` (running requests keep their KV cache
-  and continue), and relabels vLLM's weight version in the same pause, so the version vLLM stamps on each
-  engine step is exactly the weights that step ran with.
+  (`VLLM_SERVER_DEV_MODE=1`), which calls every worker (one per tensor-parallel rank) and answers with a list
+  of their results: a step succeeds only if every worker's does, and an update is received only when every
+  worker has it. Receiving runs on a thread in each worker while vLLM keeps decoding; the switch runs with the
+  scheduler paused in `keep` mode and `clear_cache=false` (running requests keep their KV cache and
+  continue), and relabels vLLM's weight version in the same pause, so the version vLLM stamps on each engine
+  step is exactly the weights that step ran with.
 - Abort: `POST /abort_requests` with vLLM's external request ids; vLLM answers the aborted requests with
   what they generated and finish reason `abort`.
 """
@@ -64,6 +66,28 @@ class FrontSettings:
     max_running_seqs: int
     initial_version: int = 0
     update_timeout_s: float = 600.0
+    tensor_parallel_size: int = 1  # vLLM's workers: each one is a rank of the weight-update group
+
+
+def merge_receive_status(statuses: list[Any], workers: int) -> dict:
+    """One status for the update from every worker's `pipelinerl_receive_status`: done when all are done, the
+    first error (naming its worker) when any failed. A missing answer is an error, not a worker that is done."""
+    if len(statuses) != workers or not all(isinstance(x, dict) for x in statuses):
+        return {"done": True, "error": f"expected a receive status from each of {workers} vLLM workers, got "
+                                       f"{statuses!r}", "seconds": 0.0}
+    errors = [f"worker {i}: {x['error']}" for i, x in enumerate(statuses) if x.get("error")]
+    return {"done": all(x.get("done") for x in statuses) or bool(errors), "error": errors[0] if errors else None,
+            "seconds": max(float(x.get("seconds") or 0.0) for x in statuses)}
+
+
+def check_group_ranks(req: InitWeightUpdateGroupRequest, workers: int) -> None:
+    """Every worker of this engine needs a rank of the group: ranks rank_offset .. rank_offset + workers - 1."""
+    last = req.rank_offset + workers - 1
+    if last >= req.world_size:
+        raise ContractError(400, f"this vLLM engine has {workers} workers (tensor parallel), each a rank of the "
+                                 f"group: ranks {req.rank_offset}..{last} do not fit in world_size "
+                                 f"{req.world_size}; the trainer must count {workers} ranks per engine "
+                                 f"(ranks_per_engine={workers})", "world_size")
 
 
 class VLLMBackend:
@@ -187,12 +211,17 @@ class VLLMBackend:
 
         if req.backend == "nccl" and not torch.cuda.is_available():
             raise ContractError(400, "backend 'nccl' needs a GPU; use 'gloo' on CPU", "backend")
+        workers = self.settings.tensor_parallel_size
+        check_group_ranks(req, workers)
         async with self._update_lock:
             self._group_name = None
             try:
-                await self._rpc("pipelinerl_init_group", req.model_dump(), timeout_s=req.timeout_s + 30)
+                ranks = await self._rpc("pipelinerl_init_group", req.model_dump(), timeout_s=req.timeout_s + 30)
             except ContractError as e:
                 raise ContractError(504, e.message, type="weight_sync_error") from None
+            if len(ranks) != workers:
+                raise ContractError(500, f"{len(ranks)} vLLM workers joined the group, expected {workers} "
+                                         "(--tensor-parallel-size)", type="weight_sync_error")
             self._group_name = req.group_name
 
     async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
@@ -222,7 +251,8 @@ class VLLMBackend:
     async def _wait_received(self) -> dict:
         deadline = time.monotonic() + self.settings.update_timeout_s
         while True:
-            status = (await self._rpc("pipelinerl_receive_status"))[0]
+            status = merge_receive_status(await self._rpc("pipelinerl_receive_status"),
+                                          self.settings.tensor_parallel_size)
             if status.get("done"):
                 return status
             if time.monotonic() > deadline:

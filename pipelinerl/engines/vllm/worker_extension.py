@@ -10,14 +10,35 @@ generation stops while it runs. So receiving (the long part) happens on a thread
 keeps decoding (`pipelinerl_start_receive`, then `pipelinerl_receive_status` polls), and only the switch
 (`pipelinerl_switch`: `model_runner.reload_weights`) runs inside the engine loop, between two decode steps.
 Running requests keep their KV cache, computed under the old weights.
+
+Why not vLLM's layerwise reload fed bucket by bucket as the update arrives (what vLLM's own NCCL weight
+transfer does): `initialize_layerwise_reload` (vllm/model_executor/model_loader/reload/layerwise.py, 0.32)
+moves every layer's parameters to the meta device until that layer's last weight is loaded, so the model cannot
+run a step from the first bucket to the last: generation would stop for the whole transfer. Staging the update
+and reloading it in one go keeps the stop to the reload.
+
+Where an update is staged (`staging_device`): on the group's device when it is a GPU (NCCL) and the update fits
+in the GPU's free memory: each bucket is received in place, with no copy, and the switch copies GPU to GPU. That
+costs GPU memory outside vLLM's share (`--gpu-memory-utilization`) equal to the whole update, on every worker:
+the wire carries full checkpoint tensors and vLLM's weight loaders cut each worker's shard out of them at the
+switch, so a tensor-parallel worker stages the full model too. When it does not fit, the update is staged in
+page-locked host memory (one DMA each way, no pageable bounce), and on CPU (gloo) in host memory as before.
+`PIPELINERL_VLLM_STAGING=gpu|cpu` forces either.
+
+Tensor parallelism: vLLM calls every method on every worker; worker w of an engine is rank `rank_offset + w`
+of the group, receives the full tensors and loads its shard (the reload runs vLLM's weight loaders, which
+shard by tensor-parallel rank).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +53,54 @@ from pipelinerl.weight_sync import (
     wire_buffers,
 )
 
-log = logging.getLogger(__name__)
+# A child of vLLM's logger: vLLM's worker processes configure only that one, so its messages (the staging choice,
+# receive errors) appear in the engine's log beside vLLM's, at INFO too.
+log = logging.getLogger(f"vllm.{__name__}")
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+STAGING_ENV = "PIPELINERL_VLLM_STAGING"  # auto (default) | gpu | cpu
+STAGING_CHOICES = ("auto", "gpu", "cpu")
+# GPU memory an update staged on the GPU must leave free beyond itself: the reload materialises one layer at a
+# time in fresh memory before copying it into the running weights (twice the largest tensor covers a layer of
+# this shape family), plus room for NCCL's and the allocator's own needs.
+STAGING_SLACK_BYTES = 1 << 30
+
+
+def staging_device(group_device: torch.device, update_bytes: int, largest_bytes: int, free_bytes: int | None,
+                   choice: str = "auto") -> torch.device:
+    """Where to stage an update of `update_bytes` (largest tensor `largest_bytes`) received over a group whose
+    tensors land on `group_device`, with `free_bytes` free on that device (None: unknown).
+
+    A GPU group stages on its GPU when `choice` is "gpu", or "auto" and the update fits with room to spare;
+    else in host memory (the caller page-locks it). A CPU group always stages in host memory."""
+    if choice not in STAGING_CHOICES:
+        raise ValueError(f"{STAGING_ENV}={choice!r}: must be one of {', '.join(STAGING_CHOICES)}")
+    if group_device.type == "cpu" or choice == "cpu":
+        return torch.device("cpu")
+    if choice == "gpu":
+        return group_device
+    fits = free_bytes is not None and update_bytes + 2 * largest_bytes + STAGING_SLACK_BYTES <= free_bytes
+    return group_device if fits else torch.device("cpu")
+
+
+def group_rank(rank_offset: int, worker: int, workers: int, world_size: int) -> int:
+    """This worker's rank in the weight-update group: the engine's ranks are rank_offset .. rank_offset +
+    workers - 1, one per worker. Raises ValueError when the group has no room for all of them."""
+    if not 0 <= worker < workers:
+        raise ValueError(f"worker {worker} is outside this engine's {workers} workers")
+    if rank_offset + workers > world_size:
+        raise ValueError(f"weight-update group of world_size {world_size} has no rank for the {workers} workers "
+                         f"of this engine from rank_offset {rank_offset}: the trainer must count {workers} ranks "
+                         f"per engine (its tensor parallel size)")
+    return rank_offset + worker
 
 
 class _Receive:
-    """One update being received on a thread: the staged tensors, or the error that ended it."""
+    """One update being received on a thread: the (name, tensor) pairs to load, or the error that ended it."""
 
     def __init__(self, names: list[str], apply: bool):
         self.names, self.apply = names, apply
-        self.tensors: list[torch.Tensor] | None = None
+        self.loadable: list[tuple[str, torch.Tensor]] | None = None
         self.error: str | None = None
         self.started = time.perf_counter()
         self.seconds = 0.0
@@ -50,7 +108,7 @@ class _Receive:
 
 
 class PipelineRLWorkerExtension:
-    """The `pipelinerl_*` methods vLLM's `/collective_rpc` calls on every worker (tensor parallel size 1)."""
+    """The `pipelinerl_*` methods vLLM's `/collective_rpc` calls on every worker (one per tensor-parallel rank)."""
 
     # --- group ---------------------------------------------------------------------------------------------
 
@@ -61,7 +119,11 @@ class PipelineRLWorkerExtension:
         if old is not None:
             old.destroy()
         self._pl_group: WeightUpdateGroup | None = None
-        rank = int(req["rank_offset"]) + int(getattr(self, "rank", 0))
+        self._pl_staging_cache = None  # staged on the old group's device
+        # vLLM's rank of this worker among the engine's workers (tensor x pipeline parallel; no data parallel here)
+        parallel = getattr(self, "parallel_config", None)
+        workers = int(getattr(parallel, "world_size", 1) or 1)
+        rank = group_rank(int(req["rank_offset"]), int(getattr(self, "rank", 0)), workers, int(req["world_size"]))
         self._pl_group = init_weight_update_group(req["master_address"], int(req["master_port"]), rank,
                                                   int(req["world_size"]), req.get("backend", "gloo"),
                                                   req.get("group_name", "weight_update"),
@@ -106,38 +168,87 @@ class PipelineRLWorkerExtension:
     def pipelinerl_switch(self) -> dict:
         """Load the received tensors into the running model (between two engine steps)."""
         receive = getattr(self, "_pl_receive", None)
-        if receive is None or not receive.done.is_set() or receive.error or receive.tensors is None:
+        if receive is None or not receive.done.is_set() or receive.error or receive.loadable is None:
             raise RuntimeError("no received update to switch to")
         self._pl_receive = None
         t0 = time.perf_counter()
-        weights = self._pl_loadable(dict(zip(receive.names, receive.tensors)))
-        self.model_runner.reload_weights(weights_iterator=iter(weights))
+        self.model_runner.reload_weights(weights_iterator=iter(receive.loadable))
         _refresh_tied_heads(self.model_runner.get_model())
-        return {"switch_s": time.perf_counter() - t0, "loaded": len(weights)}
+        if torch.cuda.is_available():
+            # The reload's copies are queued on this thread's stream; the next update must not overwrite the
+            # staging buffers they read before they ran (its receiving thread waits on this).
+            self._pl_reloaded = torch.cuda.Event()
+            self._pl_reloaded.record()
+        return {"switch_s": time.perf_counter() - t0, "loaded": len(receive.loadable)}
 
     # --- internals -----------------------------------------------------------------------------------------
 
     def _pl_receive_thread(self, group: WeightUpdateGroup, specs: list[TensorSpec], bucket_bytes: int,
                            receive: _Receive) -> None:
         try:
-            out = self._pl_staging(specs, bucket_bytes) if receive.apply else None
-            receive.tensors = receive_tensors(group, specs, bucket_bytes, out)
+            with self._pl_receive_stream(group):
+                if receive.apply:
+                    tensors = receive_tensors(group, specs, bucket_bytes,
+                                              self._pl_staging(group, specs, bucket_bytes))
+                else:  # drained into host memory, so a refused update never takes GPU memory
+                    receive_tensors(group, specs, bucket_bytes, wire_buffers(specs, bucket_bytes, "cpu"))
+                    tensors = None
+            if tensors is not None:
+                # Worked out here rather than at the switch: copies for a partial update stay out of the pause
+                receive.loadable = self._pl_loadable(dict(zip(receive.names, tensors)))
         except Exception as e:  # reported through pipelinerl_receive_status
             log.exception("receiving a weight update failed")
             receive.error = f"{type(e).__name__}: {e}"
         receive.seconds = time.perf_counter() - receive.started
         receive.done.set()
 
-    def _pl_staging(self, specs: list[TensorSpec], bucket_bytes: int) -> list[torch.Tensor]:
-        """Receive buffers laid out as the wire lays them out (no unpacking copy), kept across updates of the
-        same layout: steady-state updates allocate nothing. Safe to reuse: an update is switched (and its
-        tensors copied into the model) before the next one starts."""
-        key = (tuple(specs), bucket_bytes)
+    @contextlib.contextmanager
+    def _pl_receive_stream(self, group: WeightUpdateGroup) -> Iterator[None]:
+        """On a GPU group, receiving runs on a CUDA stream of its own, and the data is in place when this exits.
+
+        ProcessGroupNCCL makes its stream wait for the caller's current stream before a broadcast, and `wait()`
+        makes the caller's current stream wait for the broadcast. On this thread the current stream would be the
+        device's default stream, the one vLLM decodes on: each bucket would hold decoding up until it arrived."""
+        if group.device.type != "cuda":
+            yield
+            return
+        torch.cuda.set_device(group.device)  # a new thread starts on GPU 0; this worker's may be another
+        reloaded = getattr(self, "_pl_reloaded", None)
+        if reloaded is not None:
+            reloaded.synchronize()  # the last switch has read the staging buffers this update overwrites
+        stream = getattr(self, "_pl_stream", None)
+        if stream is None:
+            stream = self._pl_stream = torch.cuda.Stream(group.device)
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()  # whatever stream the switch reads the staged tensors from, they are there
+
+    def _pl_staging(self, group: WeightUpdateGroup, specs: list[TensorSpec], bucket_bytes: int) -> list[torch.Tensor]:
+        """Receive buffers laid out as the wire lays them out (received in place, no unpacking copy) on the
+        device `staging_device` picks, kept across updates of the same layout: steady-state updates allocate
+        nothing. Safe to reuse: an update is switched (and its tensors copied into the model) before the next
+        one is received."""
+        key = (tuple(specs), bucket_bytes, group.device)
         cached = getattr(self, "_pl_staging_cache", None)
-        if cached is None or cached[0] != key:
-            cached = (key, wire_buffers(specs, bucket_bytes, "cpu"))
-            self._pl_staging_cache = cached
-        return cached[1]
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        self._pl_staging_cache = None  # free the old buffers before sizing up the new ones
+        free = None
+        if group.device.type == "cuda":
+            if cached is not None and cached[1] and cached[1][0].is_cuda:
+                del cached
+                torch.cuda.empty_cache()  # the old buffers back to the device, where mem_get_info counts them
+            free = torch.cuda.mem_get_info(group.device)[0]
+        update_bytes = sum(s.nbytes for s in specs)
+        device = staging_device(group.device, update_bytes, max((s.nbytes for s in specs), default=0), free,
+                                os.environ.get(STAGING_ENV, "auto"))
+        buffers = wire_buffers(specs, bucket_bytes, device)
+        pinned = _page_lock(buffers) if group.device.type == "cuda" and device.type == "cpu" else False
+        log.info("staging weight updates of %.2f GiB on %s%s (free on %s: %s)", update_bytes / 2**30, device,
+                 " (page-locked)" if pinned else "", group.device,
+                 "n/a" if free is None else f"{free / 2**30:.2f} GiB")
+        self._pl_staging_cache = (key, buffers, _PageLocked(buffers) if pinned else None)
+        return buffers
 
     def _pl_loadable(self, update: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """The (name, tensor) pairs to give `reload_weights`: the whole model's weights in checkpoint names.
@@ -177,6 +288,45 @@ class PipelineRLWorkerExtension:
                 names.discard(LM_HEAD)
             self._pl_names = names
         return names
+
+
+def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """{data pointer: bytes} of the distinct storages under `tensors` (wire_buffers: one per bucket)."""
+    out: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        out.setdefault(storage.data_ptr(), storage.nbytes())
+    return out
+
+
+def _page_lock(tensors: list[torch.Tensor]) -> bool:
+    """Page-lock the host memory under `tensors` in place (cudaHostRegister), so copies between it and the GPU
+    are single DMAs; False (and nothing locked) when the driver refuses, e.g. over the locked-memory limit."""
+    cudart = torch.cuda.cudart()
+    done: list[int] = []
+    for ptr, nbytes in _storages(tensors).items():
+        if nbytes and int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:
+            for p in done:
+                cudart.cudaHostUnregister(p)
+            log.warning("could not page-lock %.2f GiB of host memory for staging weight updates; using pageable "
+                        "memory", sum(_storages(tensors).values()) / 2**30)
+            return False
+        done.append(ptr)
+    return True
+
+
+class _PageLocked:
+    """Holds page-locked staging buffers and unregisters their memory when dropped: it holds the tensors
+    itself, so the memory cannot be freed while still registered."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.ptrs = [p for p, n in _storages(tensors).items() if n]
+
+    def __del__(self) -> None:
+        cudart = torch.cuda.cudart()
+        for p in self.ptrs:
+            cudart.cudaHostUnregister(p)
 
 
 def _refresh_tied_heads(model: torch.nn.Module) -> None:
