@@ -2,6 +2,7 @@
 
 Rank 0 broadcasts seeded tensors of several dtypes and shapes (both wire formats); other ranks receive them
 and write sha256 digests of what they got, next to the digests of what they should have got, to a JSON file.
+Every rank has a default group of its own, rank 0's bound to a device as DeepSpeed binds a trainer rank's.
 """
 
 import hashlib
@@ -43,6 +44,8 @@ def main() -> int:
     # A default group of this process's own, to show the weight-update group lives beside it.
     own_store = torch.distributed.HashStore()
     torch.distributed.init_process_group("gloo", store=own_store, rank=0, world_size=1)
+    if rank == 0:
+        torch.distributed.group.WORLD.bound_device_id = torch.device("cpu", 0)
     result: dict = {"rank": rank}
     try:
         group = init_weight_update_group("127.0.0.1", port, rank, world, "gloo", "test_group", timeout_s=timeout)
@@ -50,6 +53,8 @@ def main() -> int:
         result.update(error=type(e).__name__, message=str(e))
         json.dump(result, open(out_path, "w"))
         return 3
+    # unbound only while the group was made (an NCCL group would be split from the default one otherwise)
+    result["default_group_device"] = str(torch.distributed.group.WORLD.bound_device_id)
     expected = tensors()
     specs = [TensorSpec.of(str(i), t) for i, t in enumerate(expected)]
     # "-laid": the sender's tensors laid out as the wire lays them out (as the trainer's parameters are), so

@@ -3,8 +3,11 @@ sglang` in a recipe).
 
 SGLang's own server runs on a private loopback port and this package's thin front (`front.py`) serves the
 contract over SGLang's native endpoints; no code of ours runs inside SGLang. SGLang has no CPU build on PyPI:
-this is for GPU machines (`pip install -e ".[sglang]"`). Extra `sglang.launch_server` arguments can be given in
-the PIPELINERL_SGLANG_ARGS environment variable.
+this is for GPU machines (`pip install -e ".[sglang]"`, SGLang 0.5.6 or later: see front.py). The engine's
+tensor-parallel size (`--tensor-parallel-size`, config key engine.tensor_parallel_size) becomes SGLang's
+`--tp-size`: each of its workers is a rank of the weight-update group. Extra `sglang.launch_server` arguments
+can be given in the PIPELINERL_SGLANG_ARGS environment variable; the most bytes one weight-update call to SGLang
+takes in UPDATE_CHUNK_ENV (MiB, config key weight_sync.sglang_update_chunk_mb, set by the launcher).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from pipelinerl.procs import free_port
 
 EXTRA_ARGS_ENV = "PIPELINERL_SGLANG_ARGS"
+UPDATE_CHUNK_ENV = "PIPELINERL_SGLANG_UPDATE_CHUNK_MB"
 
 
 def sglang_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -25,8 +29,22 @@ def sglang_command(args: argparse.Namespace, port: int) -> list[str]:
     computed under the old weights would be reused."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", args.dtype, "--context-length", str(args.max_model_len),
-            "--max-running-requests", str(args.max_running_seqs), "--disable-radix-cache",
-            "--log-level", args.log_level, *shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))]
+            "--max-running-requests", str(args.max_running_seqs), "--tp-size", str(args.tensor_parallel_size),
+            "--disable-radix-cache", "--log-level", args.log_level, *shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))]
+
+
+def update_chunk_bytes() -> int:
+    """The bound on one weight-update call, from UPDATE_CHUNK_ENV (the front's default when unset)."""
+    from pipelinerl.engines.sglang.front import DEFAULT_UPDATE_CHUNK_BYTES
+
+    value = os.environ.get(UPDATE_CHUNK_ENV)
+    try:
+        mib = float(value) if value else DEFAULT_UPDATE_CHUNK_BYTES / 2**20
+    except ValueError:
+        raise SystemExit(f"{UPDATE_CHUNK_ENV}={value!r} is not a number of MiB") from None
+    if mib <= 0:
+        raise SystemExit(f"{UPDATE_CHUNK_ENV}={value!r} must be > 0 (MiB)")
+    return int(mib * 2**20)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900.0) -> None:
@@ -52,10 +70,14 @@ def serve(args: argparse.Namespace) -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         settings = SGLangSettings(max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs,
-                                  initial_version=args.initial_version)
+                                  initial_version=args.initial_version, update_chunk_bytes=update_chunk_bytes())
         backend = SGLangBackend(url, args.model, model_facts(args.model, args.dtype), settings,
                                 load_tokenizer(args.model))
         wait_healthy(url, proc)
+        try:
+            backend.inspect_server()
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
         app = create_app(backend, title="pipelinerl SGLang engine")
         app.router.on_shutdown.append(backend.aclose)
         run_server(app, args, f"pipelinerl sglang engine (SGLang on {url}) serving {args.model}")
