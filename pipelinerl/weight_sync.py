@@ -131,6 +131,7 @@ class WeightUpdateGroup:
     buffers: BucketBuffers = field(default_factory=BucketBuffers, repr=False)
     send_plan: _SendPlan | None = field(default=None, repr=False)  # see broadcast_tensors
     _broadcast_options: dict[int, dist.BroadcastOptions] = field(default_factory=dict, repr=False)
+    timeout_s: float = 120.0  # how long one broadcast may wait for its peers (see `_pipelined`)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.broadcast_async(tensor, src).wait()
@@ -239,7 +240,7 @@ def init_weight_update_group(
         _forget(group_name, torch_name)
         raise
     device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-    group = WeightUpdateGroup(pg, rank, world_size, backend, group_name, device, store)
+    group = WeightUpdateGroup(pg, rank, world_size, backend, group_name, device, store, timeout_s=timeout_s)
     _live_groups.add(group)
     log.info("joined weight-update group %s as rank %d/%d (%s)", group_name, rank, world_size, backend)
     return group
@@ -417,7 +418,8 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[list[in
 
 
 def _check_timeout(e: Exception, group: WeightUpdateGroup) -> WeightSyncError:
-    return _as_sync_error(e, f"broadcast in group {group.group_name!r} failed", 0)
+    return _as_sync_error(e, f"broadcast in group {group.group_name!r} failed", group.timeout_s,
+                          "a member died, stalled or refused the update; the engines' logs say which")
 
 
 @dataclass(frozen=True)
@@ -578,10 +580,18 @@ def _pipelined(group: WeightUpdateGroup, buckets: Sequence[_Bucket],
     receiver). Bucket k may reuse the buffer slot `k % PIPELINE_DEPTH`: bucket k - PIPELINE_DEPTH, its last
     user, is finished before bucket k is prepared."""
     in_flight: deque[tuple[dist.Work, int, _Bucket, torch.Tensor]] = deque()
+    # NCCL's plain wait() only orders the current CUDA stream after the broadcast and returns: a dead or stalled
+    # peer would then surface as the watchdog's abort, with no Python error naming the group. With a limit the
+    # thread blocks until the broadcast completes and raises when it does not in time. Gloo's wait() blocks and
+    # honours the group's own timeout.
+    wait_limit = timedelta(seconds=group.timeout_s) if group.backend == "nccl" else None
 
     def complete_oldest() -> None:
         work, k, bucket, tensor = in_flight.popleft()
-        work.wait()
+        if wait_limit is None:
+            work.wait()
+        else:
+            work.wait(wait_limit)
         if finish is not None:
             finish(k, bucket, tensor)
 

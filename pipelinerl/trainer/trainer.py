@@ -122,6 +122,8 @@ class Trainer:
         self.model_path = str(model_path)
         self.weights_dtype = DTYPES[dtype]
         self.accelerator = accelerator or make_accelerator(self.cfg)
+        # kept: close() must work even after accelerate's process-wide state was reset (tests do)
+        self._num_processes = self.accelerator.num_processes
         set_seed(seed)
         if self.accelerator.device.type == "cpu":
             torch.set_num_threads(self.cfg.threads)
@@ -237,8 +239,9 @@ class Trainer:
         called without an active exception": seen in about one run in eight of two DeepSpeed ranks on CPU)."""
         from pipelinerl.trainer.ranks import close_host_barrier, host_barrier
 
-        self.publisher.close()
-        if self.accelerator.num_processes > 1 and dist.is_initialized():
+        if "publisher" in self.__dict__:  # made on first use (cached_property): nothing to close otherwise
+            self.publisher.close()
+        if self._num_processes > 1 and dist.is_initialized():
             # no rank tears the groups down while another may still be using them; the main process may still be
             # finishing its own work (closing the engine connections, the reward pool), so meet on the host
             host_barrier("the end of the run")
