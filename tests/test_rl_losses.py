@@ -367,3 +367,16 @@ def _train_toy_bandit(loss_name: str, steps: int = 200) -> float:
 @pytest.mark.parametrize("loss_name", ["reinforce_is", "ppo", "decoupled", "gspo"])
 def test_toy_bandit_learns_rewarded_action(loss_name):
     assert _train_toy_bandit(loss_name) > 0.9
+
+
+def test_k3_is_clamped_where_its_exponential_would_overflow():
+    """A sampled token the reference finds e^100 times likelier than the policy: unclamped, exp(100) is inf in
+    float32 and the step would be skipped; clamped, the estimate and its gradient are finite and bounded."""
+    from pipelinerl.rl.kl import K3_MAX
+
+    logp = torch.tensor([-100.0, -1.0, 0.0], requires_grad=True)
+    ref = torch.tensor([0.0, -1.0, -100.0])
+    kl = kl_estimate(logp, ref, "k3")
+    assert torch.isfinite(kl).all() and (kl <= K3_MAX).all() and kl[1] == 0
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all()

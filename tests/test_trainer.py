@@ -460,6 +460,21 @@ def test_kl_penalty_and_reference_reset(small_model_dir):
     assert Trainer(str(small_model_dir), TrainerConfig()).ref_model is None  # only built when kl_coef > 0
 
 
+def test_a_far_reference_is_a_bounded_kl_not_a_skipped_step(small_model_dir):
+    """k3 against a reference far from the policy (its LM head scaled up a thousandfold: log-ratios in the
+    thousands) is bounded per token, so one outlier token cannot dominate the loss (unclamped, this batch's KL
+    stat was 2960); the step is applied with a finite gradient. The overflow to inf is tested in test_rl_losses."""
+    from pipelinerl.rl.kl import K3_MAX
+
+    cfg = TrainerConfig(lr=1e-2, samples_per_step=4, micro_batch_tokens=32, kl_coef=0.1, kl_estimator="k3")
+    trainer = Trainer(str(small_model_dir), cfg)
+    with torch.no_grad():
+        trainer.ref_model.get_output_embeddings().weight.mul_(1e3)
+    stats = trainer.optimizer_step(toy_batch())
+    assert stats["skipped"] == 0 and math.isfinite(stats["grad_norm"]) and math.isfinite(stats["loss"])
+    assert 0 < stats["kl"] <= K3_MAX
+
+
 def test_build_step_advantages_and_packing():
     step = build_step(toy_batch(), "grpo", micro_batch_tokens=8)
     assert step.advantages.tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)

@@ -9,6 +9,9 @@ import torch
 from torch import Tensor, nn
 
 KLKind = Literal["k1", "k2", "k3"]
+# k3's bounds (see kl_estimate): verl's low_var_kl clamps the same way
+K3_LOG_RATIO_MAX = 20.0
+K3_MAX = 10.0
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> Tensor:
@@ -19,6 +22,9 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> 
     * ``k1 = d``: unbiased, but can be negative per token and has high variance.
     * ``k2 = d^2 / 2``: biased, always >= 0, low variance; its gradient is that of the reverse-KL penalty.
     * ``k3 = exp(-d) - (-d) - 1 = exp(ref - logp) - (ref - logp) - 1``: unbiased and >= 0 (GRPO's choice).
+      Its exponential overflows to inf where the reference finds a sampled token far likelier than the policy
+      does, and one inf skips the whole step; so, as verl and PipelineRL do, ``ref - logp`` is clamped to
+      ``[-K3_LOG_RATIO_MAX, K3_LOG_RATIO_MAX]`` and the estimate to at most ``K3_MAX`` (no gradient beyond).
 
     Gradients flow through both arguments; detach ``ref_logprobs`` upstream (it normally has no grad anyway).
     """
@@ -29,8 +35,8 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> 
     if kind == "k2":
         return 0.5 * (logprobs - ref_logprobs).square()
     if kind == "k3":
-        log_r = ref_logprobs - logprobs
-        return torch.exp(log_r) - log_r - 1.0
+        log_r = (ref_logprobs - logprobs).clamp(-K3_LOG_RATIO_MAX, K3_LOG_RATIO_MAX)
+        return (torch.exp(log_r) - log_r - 1.0).clamp(max=K3_MAX)
     raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
 
 
