@@ -148,6 +148,27 @@ class WeightSyncConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of PPO with a critic (`trainer.advantage: gae`, ORZ's method): the policy's base model with a
+    scalar head, trained on the returns with its own AdamW."""
+
+    lr: float = 5e-6  # ORZ critic_learning_rate
+    updates: int = 1  # optimizer updates per batch, each on 1/updates of it (ORZ critic_update_steps: 12)
+    value_clip: Optional[float] = 0.2  # noqa: UP045 (values kept within this of the pre-update ones; unset: off)
+    gamma: float = 1.0  # GAE discount (ORZ: 1)
+    lam: float = 1.0  # GAE lambda (ORZ: 1)
+    # advantages normalised to mean 0, std 1 over the batch's tokens (ORZ, OpenRLHF's advantage normalisation)
+    whiten_advantages: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "trainer.critic.lr", "must be > 0")
+        _check(self.updates >= 1, "trainer.critic.updates", "must be at least 1")
+        _check(self.value_clip is None or self.value_clip > 0, "trainer.critic.value_clip", "must be > 0 or unset")
+        _check(0 <= self.gamma <= 1, "trainer.critic.gamma", "must be in [0, 1]")
+        _check(0 <= self.lam <= 1, "trainer.critic.lam", "must be in [0, 1]")
+
+
+@dataclass
 class TrainerConfig:
     lr: float = 1e-6
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -157,15 +178,51 @@ class TrainerConfig:
     grad_clip: float = 1.0
     samples_per_step: int = 64
     micro_batch_tokens: int = 4096
+    # RL algorithm: names registered in pipelinerl/rl/losses.py and advantages.py (pipelinerl/rl/registry.py), or a
+    # function of your own as package.module:function. See the README's algorithm table for each one's keys.
     policy_loss: str = "reinforce_is"  # reinforce_is | ppo_clip | decoupled_ppo | gspo
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp_baseline
-    aggregation: str = "token_sum_norm"  # token_sum_norm | token_mean | seq_mean
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    is_cap: float = 5.0
+    policy_loss_args: dict[str, Any] = field(default_factory=dict)  # for a policy loss of your own
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp_baseline | gae (PPO with trainer.critic)
+    # token_sum_norm | token_mean | seq_mean; unset: the loss's own (gspo: seq_mean, others: token_sum_norm)
+    aggregation: Optional[str] = None  # noqa: UP045 (omegaconf needs Optional)
+    # PPO trust region; unset: the loss's own (0.2 / 0.28, clip-higher; gspo: 3e-4 / 4e-4)
+    clip_low: Optional[float] = None  # noqa: UP045
+    clip_high: Optional[float] = None  # noqa: UP045
+    # dual-clip PPO: where A < 0 the loss is at most -clip_ratio_c * A (3 in verl and the paper); unset: off
+    clip_ratio_c: Optional[float] = None  # noqa: UP045
+    # optimizer updates per batch, each on 1/ppo_minibatches of it (AReaL's ppo_n_minibatches); the weights are
+    # published once, after the last. decoupled_ppo's proximal policy is the one before the first.
+    ppo_minibatches: int = 1
+    # decoupled_ppo: tokens whose behaviour weight pi_prox / pi_behav exceeds this are left out of the loss (AReaL's
+    # behav_imp_weight_cap); unset: none are
+    behav_imp_weight_cap: Optional[float] = None  # noqa: UP045
+    importance_sampling_level: str = "token"  # decoupled_ppo: token | sequence (a geometric-mean ratio per sample)
+    is_cap: float = 5.0  # reinforce_is: importance weights are capped here (truncated IS)
+    group_std_unbiased: bool = False  # grpo: the group std with n - 1 (verl, TRL) instead of n
+    whiten_over: str = "samples"  # reinforce_pp_baseline: normalise over the batch's samples or tokens (OpenRLHF)
+    # DAPO / PipelineRL: samples cut off by the length limit are left out of the loss (they stay in their group's
+    # baseline)
+    overlong_filtering: bool = False
+    entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef times the mean token entropy
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    ref_reset_every: int = 0  # 0 never resets the reference policy
+    # KL in the reward (REINFORCE++, OpenRLHF's use_kl_loss false): each sample's reward minus kl_coef times its
+    # summed KL, before the advantages; otherwise the KL is a loss term
+    kl_in_reward: bool = False
+    # the KL coefficient over the run: constant; linear from kl_coef to kl_coef_end over kl_schedule_steps; or
+    # adaptive (Ziegler et al.: moved towards kl_target, horizon kl_horizon samples)
+    kl_schedule: str = "constant"
+    kl_coef_end: float = 0.0
+    kl_schedule_steps: int = 0
+    kl_target: float = 0.01
+    kl_horizon: int = 10000
+    ref_reset_every: int = 0  # ProRL: the KL reference becomes the current policy every N steps; 0 = never
+    ref_reset_kl: Optional[float] = None  # noqa: UP045 (and whenever the step's mean KL exceeds this)
+    # (and after this many held-out evaluations without a new best eval_accuracy; 0 = never)
+    ref_reset_patience: int = 0
+    ref_reset_optimizer: bool = False  # ProRL v1: a reference reset also resets the optimizer's state
+    # PPO with a value model (advantage: gae, ORZ's method); unused otherwise
+    critic: CriticConfig = field(default_factory=CriticConfig)
     max_steps: int = 100
     save_every: int = 0  # 0 saves only at the end
     eval_every: int = 0  # held-out evaluation every N steps (and before the first and after the last); 0 = off
@@ -208,11 +265,35 @@ class TrainerConfig:
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
                "must be two numbers in [0, 1)")
         _check_choice(self.schedule, ("constant", "cosine"), "trainer.schedule")
-        _check_choice(self.policy_loss, ("reinforce_is", "ppo_clip", "decoupled_ppo", "gspo"),
-                      "trainer.policy_loss")
-        _check_choice(self.advantage, ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"), "trainer.advantage")
-        _check_choice(self.aggregation, ("token_sum_norm", "token_mean", "seq_mean"), "trainer.aggregation")
+        self._check_algorithm()
         _check_choice(self.kl_estimator, ("k1", "k2", "k3"), "trainer.kl_estimator")
+        _check(self.ppo_minibatches >= 1, "trainer.ppo_minibatches", "must be at least 1")
+        _check(self.clip_low is None or 0 <= self.clip_low < 1, "trainer.clip_low", "must be in [0, 1) or unset")
+        _check(self.clip_high is None or self.clip_high >= 0, "trainer.clip_high", "must be >= 0 or unset")
+        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "trainer.clip_ratio_c",
+               "must be > 1 (3 is usual), or unset for no dual-clip")
+        _check(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1, "trainer.behav_imp_weight_cap",
+               "must be > 1 (a cap of w = pi_prox / pi_behav; AReaL uses 5 or more), or unset for none")
+        _check_choice(self.importance_sampling_level, ("token", "sequence"), "trainer.importance_sampling_level")
+        _check_choice(self.whiten_over, ("samples", "tokens"), "trainer.whiten_over")
+        _check(self.is_cap > 0, "trainer.is_cap", "must be > 0")
+        _check(self.entropy_coef >= 0, "trainer.entropy_coef", "must be >= 0")
+        _check(self.kl_coef >= 0, "trainer.kl_coef", "must be >= 0")
+        _check_choice(self.kl_schedule, ("constant", "linear", "adaptive"), "trainer.kl_schedule")
+        _check(self.kl_schedule != "linear" or self.kl_schedule_steps >= 1, "trainer.kl_schedule_steps",
+               "must be at least 1 with trainer.kl_schedule linear (steps from kl_coef to kl_coef_end)")
+        _check(self.kl_coef_end >= 0, "trainer.kl_coef_end", "must be >= 0")
+        _check(self.kl_target > 0 and self.kl_horizon >= 1, "trainer.kl_target",
+               "kl_target must be > 0 and kl_horizon at least 1")
+        _check(not self.kl_in_reward or self.kl_coef > 0, "trainer.kl_in_reward",
+               "needs trainer.kl_coef > 0 (the weight of the KL in the reward)")
+        _check(self.ref_reset_every >= 0, "trainer.ref_reset_every", "must be >= 0 (0: never)")
+        _check(self.ref_reset_kl is None or self.ref_reset_kl > 0, "trainer.ref_reset_kl", "must be > 0 or unset")
+        _check(self.ref_reset_patience >= 0, "trainer.ref_reset_patience", "must be >= 0 (0: never)")
+        resets = self.ref_reset_every or self.ref_reset_kl is not None or self.ref_reset_patience
+        _check(not resets or self.kl_coef > 0, "trainer.kl_coef",
+               "is 0, so there is no KL reference to reset (trainer.ref_reset_every / ref_reset_kl / "
+               "ref_reset_patience); set trainer.kl_coef > 0 or leave the resets off")
         _check(self.samples_per_step >= 1, "trainer.samples_per_step", "must be at least 1")
         _check(self.max_steps >= 1, "trainer.max_steps", "must be at least 1")
         _check(self.temperature > 0, "trainer.temperature", "must be > 0 (log-probs of greedy decoding are undefined)")
@@ -229,6 +310,34 @@ class TrainerConfig:
         _check(self.main_process_timeout_s > 0, "trainer.main_process_timeout_s", "must be > 0")
         _check(self.accelerate_config == "" or Path(self.accelerate_config).is_file(), "trainer.accelerate_config",
                f"no such file {self.accelerate_config!r} (see launch/accelerate/)")
+
+
+    def _check_algorithm(self) -> None:
+        """The algorithm's names must be in the registry (or importable functions)."""
+        from pipelinerl.rl import registry
+
+        try:
+            registry.policy_loss(self.policy_loss)
+        except KeyError as e:
+            raise ConfigError(f"trainer.policy_loss: {e.args[0]}") from None
+        try:
+            registry.advantage(self.advantage)
+        except KeyError as e:
+            raise ConfigError(f"trainer.advantage: {e.args[0]}") from None
+        _check(self.aggregation is None or self.aggregation in registry.AGGREGATIONS, "trainer.aggregation",
+               f"must be one of {', '.join(registry.AGGREGATIONS)} or unset, got {self.aggregation!r}")
+
+    def with_algorithm_defaults(self) -> TrainerConfig:
+        """This config with the settings left unset filled in from the chosen policy loss (GSPO's clip range and
+        sequence-mean aggregation, the PPO family's 0.2 / 0.28 and token_sum_norm). The trainer runs on this."""
+        from pipelinerl.rl import registry
+
+        loss = registry.policy_loss(self.policy_loss)
+        return dataclasses.replace(
+            self,
+            clip_low=loss.clip[0] if self.clip_low is None else self.clip_low,
+            clip_high=loss.clip[1] if self.clip_high is None else self.clip_high,
+            aggregation=loss.aggregation if self.aggregation is None else self.aggregation)
 
 
 @dataclass

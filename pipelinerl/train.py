@@ -119,7 +119,9 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     evaluator = HeldOutEval(cfg, engine_urls, enabled=main and cfg.trainer.eval_every > 0)
     try:
         if evaluator.enabled and trainer.version == 0:
-            metrics.write(evaluator.run(0, time.monotonic() - started, feed.consumed))
+            eval_row = evaluator.run(0, time.monotonic() - started, feed.consumed)
+            metrics.write(eval_row)
+            trainer.note_eval_score(eval_row["eval_accuracy"])
         # The other processes wait here, not in the first step's collectives, while the main one connects to the
         # engines and evaluates (longer than any collective timeout that still catches a hang: see ranks.py).
         host_barrier("connecting to the engines and the first held-out evaluation")
@@ -147,7 +149,9 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
                 metrics.write(row)
             if evaluator.enabled and (trainer.version % cfg.trainer.eval_every == 0
                                       or trainer.version == cfg.trainer.max_steps):
-                metrics.write(evaluator.run(trainer.version, time.monotonic() - started, feed.consumed))
+                eval_row = evaluator.run(trainer.version, time.monotonic() - started, feed.consumed)
+                metrics.write(eval_row)
+                trainer.note_eval_score(eval_row["eval_accuracy"])  # for trainer.ref_reset_patience
             # the main process pushed the weights to the engines (and maybe evaluated) alone
             host_barrier(f"step {trainer.version}'s weight push and held-out evaluation")
             last = time.monotonic()

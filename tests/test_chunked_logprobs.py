@@ -405,3 +405,24 @@ def test_zero3_with_checkpointing_and_chunked_head_matches_one_process(tiny_mode
 
 if __name__ == "__main__" and sys.argv[1] == "zero3":
     zero3_worker(sys.argv[2], sys.argv[3])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_head_entropy_gradient_equals_full_logits(temperature):
+    """For an entropy bonus the entropy carries a gradient: d/dz of log p[target] and of H, through the
+    recomputed chunks, equal autograd over the full logits (float64 in, float32 softmax inside)."""
+    hidden, weight, targets = head_inputs(9, 6, 37, seed=4)
+    hidden, weight = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    g = torch.Generator().manual_seed(5)
+    g_lp, g_h = torch.randn(9, generator=g, dtype=torch.float64), torch.randn(9, generator=g, dtype=torch.float64)
+    lp, h = ChunkedHeadLogprobs.apply(hidden, weight, None, targets, temperature, 4, torch.float64, True, True)
+    torch.autograd.backward([lp, h], [g_lp.float(), g_h.float()])
+    chunked = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    logits = hidden @ weight.t() / temperature
+    (logprobs_from_logits(logits, targets) * g_lp + entropy_from_logits(logits) * g_h).sum().backward()
+    for a, b in zip(chunked, (hidden.grad, weight.grad)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    # without entropy_grad the entropy stays out of the graph
+    _, h = ChunkedHeadLogprobs.apply(hidden, weight, None, targets, temperature, 4, torch.float64, True, False)
+    assert not h.requires_grad

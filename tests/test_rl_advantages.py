@@ -114,3 +114,21 @@ def test_input_validation():
         grpo_advantages(torch.zeros(3), torch.zeros(2, dtype=torch.long))
     with pytest.raises(TypeError):
         grpo_advantages(torch.zeros(2), torch.zeros(2))
+
+
+def test_reinforce_pp_baseline_token_level_whitening():
+    """Whitened over tokens (OpenRLHF, verl): every sample's centred reward counts once per token, so the
+    token-weighted mean is 0 and the token-weighted std 1; over samples, the plain mean and std are."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5])
+    groups = torch.tensor([0, 0, 1, 1, 1])
+    tokens = torch.tensor([10.0, 2.0, 3.0, 7.0, 1.0])
+    adv = reinforce_pp_baseline_advantages(rewards, groups, eps=0.0, token_counts=tokens)
+    mean = (tokens * adv).sum() / tokens.sum()
+    std = ((tokens * (adv - mean) ** 2).sum() / tokens.sum()).sqrt()
+    assert float(mean) == pytest.approx(0, abs=1e-6) and float(std) == pytest.approx(1, rel=1e-5)
+    per_sample = reinforce_pp_baseline_advantages(rewards, groups, eps=0.0)
+    assert float(per_sample.mean()) == pytest.approx(0, abs=1e-6)
+    assert float(per_sample.std(unbiased=False)) == pytest.approx(1, rel=1e-5)
+    assert not torch.allclose(adv, per_sample)
+    # the ordering within a group is the same: only the batch-level shift and scale differ
+    assert bool(adv[0] > adv[1]) and bool(adv[2] > adv[4] > adv[3])

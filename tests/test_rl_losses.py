@@ -380,3 +380,47 @@ def test_k3_is_clamped_where_its_exponential_would_overflow():
     assert torch.isfinite(kl).all() and (kl <= K3_MAX).all() and kl[1] == 0
     kl.sum().backward()
     assert torch.isfinite(logp.grad).all()
+
+
+def test_dual_clip_caps_negative_advantage_loss_and_its_gradient():
+    """Where A < 0 the PPO loss -min(r A, clip(r) A) = r |A| grows without bound in the ratio; dual-clip caps it
+    at clip_ratio_c |A| (gradient 0 beyond). Positive advantages and moderate ratios are untouched."""
+    logp = torch.tensor([0.0, 2.0, 2.0, 0.5], requires_grad=True)
+    old = torch.zeros(4)
+    adv = torch.tensor([-1.0, -1.0, 1.0, -2.0])
+    mask = torch.ones(4, dtype=torch.bool)
+    loss, stats = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2, clip_ratio_c=3.0)
+    r = torch.exp(logp.detach())
+    # token 1: ratio e^2 = 7.4 > 3 -> capped at 3 * 1; token 2: A > 0, clipped at 1.2; token 3: ratio 1.65 < 3
+    assert loss.tolist() == pytest.approx([1.0, 3.0, -1.2, float(2 * r[3])], rel=1e-6)
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([1.0, 0.0, 0.0, float(2 * r[3])], rel=1e-6)
+    assert float(stats["dual_clip_frac"]) == pytest.approx(0.25)
+    plain, _ = ppo_clip_loss(logp.detach(), old, adv, mask, 0.2, 0.2)
+    assert float(plain[1]) == pytest.approx(float(r[1]))
+    # decoupled PPO passes it on
+    d, d_stats = decoupled_ppo_loss(logp.detach(), old, old, adv, mask, 0.2, 0.2, clip_ratio_c=3.0)
+    assert float(d[1]) == pytest.approx(3.0) and float(d_stats["dual_clip_frac"]) == pytest.approx(0.25)
+
+
+def test_decoupled_ppo_sequence_level_ratio_is_the_geometric_mean():
+    logp = torch.tensor([0.2, 0.4, -0.3, 0.0])
+    prox = torch.zeros(4)
+    seq = torch.tensor([0, 0, 1, 1])
+    adv = torch.ones(4)
+    mask = torch.tensor([True, True, True, False])
+    _, stats = decoupled_ppo_loss(logp, prox, prox, adv, mask, 10.0, 10.0, seq_ids=seq,
+                                  importance_sampling_level="sequence")
+    # sequence 0: exp(mean(0.2, 0.4)) = e^0.3 on both tokens; sequence 1: e^-0.3 on its one trained token
+    expected = (2 * math.exp(0.3) + math.exp(-0.3)) / 3
+    assert float(stats["ratio_mean"]) == pytest.approx(expected, rel=1e-6)
+
+
+def test_reference_reset_on_stagnating_validation():
+    policy = ReferenceResetPolicy(patience=2)
+    for score in (0.3, 0.5, 0.5):
+        policy.note_score(score)
+    assert not policy.should_reset(1)
+    policy.note_score(0.4)
+    assert policy.should_reset(2) and not policy.should_reset(3)  # a reset starts the patience again
+    assert ReferenceResetPolicy(patience=1).should_reset(1, stagnating=True)  # the main process's verdict

@@ -21,10 +21,13 @@ from pipelinerl.trainer import (
     checkpoint_dir,
     clean_name,
     export_hf,
+    group_advantages,
     latest_checkpoint,
     load_checkpoint,
     lr_factor,
+    sample_advantages,
     save_checkpoint,
+    set_sample_advantages,
 )
 from pipelinerl.weight_sync import TensorSpec, in_wire_layout, plan_buckets, sibling_order
 
@@ -313,10 +316,11 @@ def full_logits_expectation(trainer, batch, temperature):
     at a time: what the trainer computed before its LM head was chunked."""
     from pipelinerl.rl import entropy_from_logits, logprobs_from_logits
 
-    step = build_step(batch, "grpo", 64)
+    step = build_step(batch, 64)
+    advantages = group_advantages(step.samples, "grpo")
     loss, entropy, tokens = 0.0, 0.0, 0
     with torch.no_grad():
-        for s, adv in zip(step.samples, step.advantages.tolist(), strict=True):
+        for s, adv in zip(step.samples, advantages.tolist(), strict=True):
             ids = torch.tensor([s.prompt_token_ids + s.output_token_ids])
             rows = trainer.unwrapped_model(ids).logits[0, len(s.prompt_token_ids) - 1:-1]
             lp = logprobs_from_logits(rows, torch.tensor(s.output_token_ids), temperature)
@@ -476,10 +480,12 @@ def test_a_far_reference_is_a_bounded_kl_not_a_skipped_step(small_model_dir):
 
 
 def test_build_step_advantages_and_packing():
-    step = build_step(toy_batch(), "grpo", micro_batch_tokens=8)
-    assert step.advantages.tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
+    step = build_step(toy_batch(), micro_batch_tokens=8)
+    advantages = sample_advantages(step, TrainerConfig(advantage="grpo"))
+    assert advantages.tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
     assert step.num_output_tokens == 8
     mbs = step.micro_batches
+    set_sample_advantages(mbs, advantages)
     assert sorted(i for mb in mbs for i in mb.sample_indices) == [0, 1, 2, 3]
     assert all(mb.num_tokens <= 8 for mb in mbs)
     for mb in mbs:
@@ -491,9 +497,10 @@ def test_build_step_advantages_and_packing():
             assert f["loss_mask"][rows].tolist() == [False] * len(s.prompt_token_ids) + [True] * len(
                 s.output_token_ids)
             assert f["behav_logprobs"][rows][f["loss_mask"][rows]].tolist() == s.behav_logprobs
+            assert f["advantages"][rows].tolist() == pytest.approx([float(advantages[i])] * int(rows.sum()))
             assert mb.packed.position_ids[0, rows].tolist() == list(range(int(rows.sum())))
     # two data-parallel ranks split the samples but keep whole-batch advantages and counts
-    halves = [build_step(toy_batch(), "grpo", 8, rank=r, world_size=2) for r in range(2)]
+    halves = [build_step(toy_batch(), 8, rank=r, world_size=2) for r in range(2)]
     assert [sorted(i for mb in h.micro_batches for i in mb.sample_indices) for h in halves] == [[0, 2], [1, 3]]
     assert all(h.num_output_tokens == 8 for h in halves)
 

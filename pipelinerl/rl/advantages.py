@@ -13,8 +13,15 @@ return exactly 0 for it (rather than a value polluted by float rounding of the m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+from pipelinerl.rl.registry import AdvantageInputs, register_advantage
+
+if TYPE_CHECKING:
+    from pipelinerl.config import TrainerConfig
 
 
 def _check(rewards: Tensor, group_ids: Tensor) -> None:
@@ -103,16 +110,62 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     return torch.where(constant[inverse] | (n < 2), torch.zeros_like(adv), adv)
 
 
-def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
+def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6,
+                                     token_counts: Tensor | None = None) -> Tensor:
     """REINFORCE++-baseline advantage (ProRL v2): ``a_i = r_i - mean_g``, then ``A_i = a_i / (std(a) + eps)``.
 
     The group mean removes the prompt's difficulty; dividing by one std over the whole batch (population std
     of the centred values ``a`` of all N samples) normalises the scale without GRPO's per-group reweighting.
     Because every group's centred values sum to 0, the batch mean of ``a`` is 0 and is not subtracted again.
+
+    With ``token_counts`` (each sample's trained tokens, ``[N]``) the whitening is over tokens instead, as
+    OpenRLHF and verl do it (``masked_whiten`` of the per-token advantages): every sample's ``a_i`` counts once
+    per token, ``A_i = (a_i - mean_tok) / (std_tok + eps)``. Long samples then weigh more in the mean and std, and
+    the token-mean of the advantages is 0 rather than the sample mean.
     """
     inverse, _, mean, constant = _group_stats(rewards, group_ids)
     centered = torch.where(constant[inverse], torch.zeros_like(rewards), rewards - mean[inverse])
     if centered.numel() == 0:
         return centered
-    std = centered.std(unbiased=False)
-    return centered / (std + eps)
+    if token_counts is None:
+        std = centered.std(unbiased=False)
+        return centered / (std + eps)
+    weights = token_counts.to(centered.dtype)
+    total = weights.sum().clamp(min=1)
+    token_mean = (weights * centered).sum() / total
+    token_std = ((weights * (centered - token_mean).square()).sum() / total).sqrt()
+    return (centered - token_mean) / (token_std + eps)
+
+
+# --- the registered estimators (trainer.advantage), one call signature for all: see pipelinerl/rl/registry.py
+
+
+@register_advantage("grpo")
+def _grpo(inputs: AdvantageInputs, cfg: TrainerConfig) -> Tensor:
+    """:func:`grpo_advantages`; ``trainer.group_std_unbiased`` divides the group variance by n - 1 (verl, TRL)."""
+    return grpo_advantages(inputs.rewards, inputs.group_ids, unbiased=cfg.group_std_unbiased)
+
+
+@register_advantage("dr_grpo")
+def _dr_grpo(inputs: AdvantageInputs, cfg: TrainerConfig) -> Tensor:
+    return dr_grpo_advantages(inputs.rewards, inputs.group_ids)
+
+
+@register_advantage("rloo")
+def _rloo(inputs: AdvantageInputs, cfg: TrainerConfig) -> Tensor:
+    return rloo_advantages(inputs.rewards, inputs.group_ids)
+
+
+@register_advantage("reinforce_pp_baseline")
+def _reinforce_pp_baseline(inputs: AdvantageInputs, cfg: TrainerConfig) -> Tensor:
+    """:func:`reinforce_pp_baseline_advantages`, whitened over samples or (``trainer.whiten_over: tokens``) over
+    tokens."""
+    counts = inputs.lengths if cfg.whiten_over == "tokens" else None
+    return reinforce_pp_baseline_advantages(inputs.rewards, inputs.group_ids, token_counts=counts)
+
+
+@register_advantage("gae", token_level=True)
+def _gae(inputs: AdvantageInputs, cfg: TrainerConfig) -> Tensor:
+    """PPO with a critic (ORZ): generalised advantage estimation over each sample's tokens from the critic's values
+    (``trainer.critic``), computed by the trainer with ``pipelinerl.rl.values.gae_advantages``."""
+    raise RuntimeError("gae is computed per token by the trainer from the critic's values, not per sample")

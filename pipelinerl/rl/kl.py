@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -45,31 +46,92 @@ class ReferenceResetPolicy:
     """When to hard-reset the KL reference policy to the current policy (ProRL v2).
 
     A KL penalty against a fixed reference eventually dominates the loss and stalls learning; ProRL resets the
-    reference to the online policy periodically and whenever the measured KL spikes.
+    reference to the online policy periodically, and when the run stops improving.
 
     ``should_reset(step, kl_value)`` is True when ``every_n_steps`` steps have passed since the last reset
-    (the start of training counts as a reset at step 0), or when ``kl_value`` exceeds ``kl_threshold``.
-    Either criterion may be None (disabled). A True answer is recorded as a reset at ``step``, so the caller
-    is expected to act on it (e.g. with :func:`reset_reference`).
+    (the start of training counts as a reset at step 0), when ``kl_value`` exceeds ``kl_threshold`` (a KL
+    spike: the policy has moved far from its reference), or when the validation score has not improved for
+    ``patience`` evaluations in a row (reported with :meth:`note_score`; ProRL resets "when validation
+    performance stagnates"). Any criterion may be None (disabled). A True answer is recorded as a reset at
+    ``step`` (and starts a new patience count), so the caller is expected to act on it (e.g. with
+    :func:`reset_reference`).
     """
 
     every_n_steps: int | None = None
     kl_threshold: float | None = None
+    patience: int | None = None
     last_reset_step: int = 0
+    best_score: float = float("-inf")
+    evals_without_improvement: int = 0
 
     def __post_init__(self) -> None:
         if self.every_n_steps is not None and self.every_n_steps <= 0:
             raise ValueError(f"every_n_steps must be positive or None, got {self.every_n_steps}")
+        if self.patience is not None and self.patience <= 0:
+            raise ValueError(f"patience must be positive or None, got {self.patience}")
 
-    def should_reset(self, step: int, kl_value: float | Tensor | None = None) -> bool:
+    def note_score(self, score: float) -> None:
+        """A held-out validation score (higher is better)."""
+        if score > self.best_score:
+            self.best_score, self.evals_without_improvement = score, 0
+        else:
+            self.evals_without_improvement += 1
+
+    @property
+    def stagnating(self) -> bool:
+        return self.patience is not None and self.evals_without_improvement >= self.patience
+
+    def should_reset(self, step: int, kl_value: float | Tensor | None = None, stagnating: bool | None = None) -> bool:
+        """``stagnating`` overrides this object's own count (a trainer rank other than the one that evaluates)."""
         periodic = self.every_n_steps is not None and step - self.last_reset_step >= self.every_n_steps
         spiked = (
             self.kl_threshold is not None and kl_value is not None and float(kl_value) > self.kl_threshold
         )
-        if periodic or spiked:
+        stalled = self.stagnating if stagnating is None else stagnating
+        if periodic or spiked or stalled:
             self.last_reset_step = step
+            self.evals_without_improvement = 0
             return True
         return False
+
+
+@dataclass
+class KLCoefficient:
+    """The KL coefficient over the run (``trainer.kl_schedule``).
+
+    * ``constant``: ``start`` throughout.
+    * ``linear``: from ``start`` to ``end`` over ``steps`` optimizer steps, then ``end`` (e.g. a KL that
+      anchors early training and then lets go).
+    * ``adaptive``: Ziegler et al. 2019's controller (OpenRLHF's and TRL's ``AdaptiveKLController``): after each
+      step, ``coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon`` with ``n`` the step's samples, so
+      the measured KL is steered towards ``target``.
+    """
+
+    start: float
+    schedule: Literal["constant", "linear", "adaptive"] = "constant"
+    end: float = 0.0
+    steps: int = 0
+    target: float = 0.01
+    horizon: int = 10000
+    value: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("constant", "linear", "adaptive"):
+            raise ValueError(f"unknown KL schedule {self.schedule!r}; expected constant, linear or adaptive")
+        self.value = self.start
+
+    def at_step(self, step: int) -> float:
+        """The coefficient for optimizer step ``step`` (0-based), before its update."""
+        if self.schedule == "linear":
+            t = min(max(step, 0), self.steps) / max(self.steps, 1)
+            self.value = self.start + (self.end - self.start) * t
+        return self.value
+
+    def update(self, kl: float, num_samples: int) -> None:
+        """After a step with mean per-token KL ``kl`` over ``num_samples`` samples (only ``adaptive`` changes)."""
+        if self.schedule == "adaptive" and math.isfinite(kl):
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + error * num_samples / self.horizon
 
 
 @torch.no_grad()

@@ -17,10 +17,15 @@ Conventions shared by every loss here:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
+
+from pipelinerl.rl.registry import LossInputs, register_policy_loss
+
+if TYPE_CHECKING:
+    from pipelinerl.config import TrainerConfig
 
 AggregationMode = Literal["token_sum_norm", "token_mean", "seq_mean"]
 
@@ -47,20 +52,29 @@ def masked_max(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(m.any(), top, torch.zeros_like(top))
 
 
-def _ppo_clip_terms(ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float) -> Tensor:
-    """``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`` per token."""
+def _ppo_clip_terms(ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float,
+                    clip_ratio_c: float | None = None) -> Tensor:
+    """``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`` per token, and with dual-clip
+    (``clip_ratio_c``) at most ``-clip_ratio_c * A`` where ``A < 0``."""
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    return -torch.minimum(unclipped, clipped)
+    loss = -torch.minimum(unclipped, clipped)
+    if clip_ratio_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -clip_ratio_c * advantages), loss)
+    return loss
 
 
-def _clip_fracs(ratio: Tensor, advantages: Tensor, m: Tensor, clip_low: float, clip_high: float) -> dict:
-    """Fractions of masked tokens where the clipped branch is active at the low / high bound."""
+def _clip_fracs(ratio: Tensor, advantages: Tensor, m: Tensor, clip_low: float, clip_high: float,
+                clip_ratio_c: float | None = None) -> dict:
+    """Fractions of masked tokens where the clipped branch is active at the low / high bound (and the dual clip)."""
     ratio = ratio.detach()
-    return {
+    stats = {
         "clip_low_frac": masked_mean(((advantages < 0) & (ratio < 1.0 - clip_low)).float(), m),
         "clip_high_frac": masked_mean(((advantages > 0) & (ratio > 1.0 + clip_high)).float(), m),
     }
+    if clip_ratio_c is not None:
+        stats["dual_clip_frac"] = masked_mean(((advantages < 0) & (ratio > clip_ratio_c)).float(), m)
+    return stats
 
 
 def ppo_clip_loss(
@@ -70,22 +84,29 @@ def ppo_clip_loss(
     mask: Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
+    clip_ratio_c: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate with asymmetric ("clip-higher", DAPO) bounds.
+    """PPO clipped surrogate with asymmetric ("clip-higher", DAPO) bounds, and optionally dual-clip.
 
     ``ratio = exp(logp - old)``; ``loss = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``.
     The clip removes the incentive to move a token's probability further once the ratio has left the trust
     region in the direction the advantage pushes: the clipped branch is constant, so its gradient is 0.
 
+    Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"; verl's ``clip_ratio_c``): where
+    ``A < 0`` the loss is also capped at ``-clip_ratio_c * A`` (``clip_ratio_c > 1``, 3 in verl). Without it a
+    token whose ratio has grown huge (a stale sample the policy now likes much more) contributes
+    ``-ratio * A``, unbounded; with it, past ``ratio > clip_ratio_c`` the loss is constant and the gradient 0.
+
     Stats: ``clip_low_frac`` (A < 0 and ratio < 1 - clip_low: clipped at the low bound), ``clip_high_frac``
-    (A > 0 and ratio > 1 + clip_high), ``ratio_mean``, ``ratio_max``.
+    (A > 0 and ratio > 1 + clip_high), ``dual_clip_frac`` (with dual-clip: A < 0 and ratio > clip_ratio_c),
+    ``ratio_mean``, ``ratio_max``.
     """
     m = _bool_mask(mask, logprobs)
     advantages = advantages.detach()
     ratio = torch.exp(logprobs - old_logprobs.detach())
-    loss = _ppo_clip_terms(ratio, advantages, clip_low, clip_high)
+    loss = _ppo_clip_terms(ratio, advantages, clip_low, clip_high, clip_ratio_c)
     loss = torch.where(m, loss, torch.zeros_like(loss))
-    stats = _clip_fracs(ratio, advantages, m, clip_low, clip_high)
+    stats = _clip_fracs(ratio, advantages, m, clip_low, clip_high, clip_ratio_c)
     stats.update(ratio_mean=masked_mean(ratio.detach(), m), ratio_max=masked_max(ratio.detach(), m))
     return loss, stats
 
@@ -143,20 +164,40 @@ def decoupled_ppo_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     behav_cap: float | None = None,
+    clip_ratio_c: float | None = None,
+    seq_ids: Tensor | None = None,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """AReaL decoupled PPO: trust region around the proximal policy, importance weight to the behaviour one.
 
-    ``ratio = exp(logp - prox)`` is PPO-clipped as in :func:`ppo_clip_loss`; the result is multiplied by the
-    detached behaviour weight ``w = exp(prox - behav)``. With ``behav_cap`` set, tokens with
+    ``ratio = exp(logp - prox)`` is PPO-clipped as in :func:`ppo_clip_loss` (dual-clip included); the result is
+    multiplied by the detached behaviour weight ``w = exp(prox - behav)``. With ``behav_cap`` set, tokens with
     ``w > behav_cap`` are dropped (loss and gradient 0), AReaL's ``behav_imp_weight_cap``. As in AReaL,
     dropped tokens should still be counted by :func:`aggregate` (pass the original ``mask`` there), so they
     dilute rather than re-weight.
+
+    The proximal policy is the trainer's weights before the batch's first optimizer update: with one update
+    per batch ``ratio`` is 1 and only the behaviour weight acts; with ``trainer.ppo_minibatches`` > 1 the later
+    updates move away from it and the clip bounds them.
+
+    ``importance_sampling_level="sequence"`` (AReaL's option) takes the proximal ratio per sequence, as the
+    geometric mean of its token ratios in GSPO's straight-through form (see :func:`gspo_loss`; needs
+    ``seq_ids`` for a packed layout); the behaviour weight stays per token.
 
     Stats: the PPO clip stats of the proximal ratio, plus ``behav_weight_mean`` / ``behav_weight_max`` (before
     capping) and ``behav_capped_frac``.
     """
     m = _bool_mask(mask, logprobs)
-    ppo, stats = ppo_clip_loss(logprobs, prox_logprobs, advantages, mask, clip_low, clip_high)
+    if importance_sampling_level == "sequence":
+        ratio, _ = _sequence_ratio(logprobs, prox_logprobs, m, seq_ids)
+        adv = advantages.detach()
+        ppo = torch.where(m, _ppo_clip_terms(ratio, adv, clip_low, clip_high, clip_ratio_c), torch.zeros_like(ratio))
+        stats = _clip_fracs(ratio, adv, m, clip_low, clip_high, clip_ratio_c)
+        stats.update(ratio_mean=masked_mean(ratio.detach(), m), ratio_max=masked_max(ratio.detach(), m))
+    elif importance_sampling_level == "token":
+        ppo, stats = ppo_clip_loss(logprobs, prox_logprobs, advantages, mask, clip_low, clip_high, clip_ratio_c)
+    else:
+        raise ValueError(f"importance_sampling_level must be token or sequence, got {importance_sampling_level!r}")
     w = torch.exp(prox_logprobs.detach() - behav_logprobs.detach())
     keep = m
     if behav_cap is not None:
@@ -210,19 +251,26 @@ def gspo_loss(
     in :func:`ppo_clip_loss` plus ``seq_ratio_mean`` / ``seq_ratio_max`` over sequences with trained tokens.
     """
     m = _bool_mask(mask, logprobs)
-    index, num_seqs = _sequence_index(logprobs, seq_ids)
     advantages = advantages.detach()
+    token_ratio, seq_ratio = _sequence_ratio(logprobs, old_logprobs, m, seq_ids)
+    loss = _ppo_clip_terms(token_ratio, advantages, clip_low, clip_high)
+    loss = torch.where(m, loss, torch.zeros_like(loss))
+    stats = _clip_fracs(token_ratio, advantages, m, clip_low, clip_high)
+    has_tokens = ~torch.isnan(seq_ratio)
+    stats["seq_ratio_mean"] = masked_mean(seq_ratio.nan_to_num(), has_tokens)
+    stats["seq_ratio_max"] = masked_max(seq_ratio.nan_to_num(), has_tokens)
+    return loss, stats
+
+
+def _sequence_ratio(logprobs: Tensor, old_logprobs: Tensor, m: Tensor, seq_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """GSPO-token's per-token ratio (value ``s_i``, gradient ``s_i`` per log-prob) and the sequence ratios
+    ``s_i`` (NaN for a sequence with no trained token)."""
+    index, num_seqs = _sequence_index(logprobs, seq_ids)
     log_ratio = torch.where(m, logprobs.detach() - old_logprobs.detach(), torch.zeros_like(logprobs))
     count = _per_sequence_sum(m.to(logprobs.dtype), index, num_seqs)
     seq_ratio = torch.exp(_per_sequence_sum(log_ratio, index, num_seqs) / count.clamp(min=1))
     token_ratio = seq_ratio[index].view_as(logprobs) * torch.exp(logprobs - logprobs.detach())
-    loss = _ppo_clip_terms(token_ratio, advantages, clip_low, clip_high)
-    loss = torch.where(m, loss, torch.zeros_like(loss))
-    stats = _clip_fracs(token_ratio, advantages, m, clip_low, clip_high)
-    has_tokens = count > 0
-    stats["seq_ratio_mean"] = masked_mean(seq_ratio, has_tokens)
-    stats["seq_ratio_max"] = masked_max(seq_ratio, has_tokens)
-    return loss, stats
+    return token_ratio, torch.where(count > 0, seq_ratio, torch.full_like(seq_ratio, float("nan")))
 
 
 def aggregate(
@@ -286,3 +334,37 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     logits = logits.float()
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+# --- the registered policy losses (trainer.policy_loss), one call signature for all: see pipelinerl/rl/registry.py
+
+
+@register_policy_loss("reinforce_is")
+def _reinforce_is(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """PipelineRL's default: :func:`reinforce_is_loss` with ``trainer.is_cap``."""
+    return reinforce_is_loss(logprobs, inputs.behav_logprobs, inputs.advantages, inputs.mask, cfg.is_cap)
+
+
+@register_policy_loss("ppo_clip")
+def _ppo_clip(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`ppo_clip_loss` around the behaviour policy (the engine's log-probs): the ratio both corrects and
+    bounds the staleness of in-flight samples ("coupled" PPO, AReaL's baseline), and with
+    ``trainer.ppo_minibatches`` > 1 the later updates' drift too."""
+    return ppo_clip_loss(logprobs, inputs.behav_logprobs, inputs.advantages, inputs.mask, cfg.clip_low,
+                         cfg.clip_high, cfg.clip_ratio_c)
+
+
+@register_policy_loss("decoupled_ppo", needs_proximal=True)
+def _decoupled_ppo(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`decoupled_ppo_loss` with ``trainer.behav_imp_weight_cap`` and ``importance_sampling_level``."""
+    return decoupled_ppo_loss(logprobs, inputs.prox_logprobs, inputs.behav_logprobs, inputs.advantages, inputs.mask,
+                              cfg.clip_low, cfg.clip_high, cfg.behav_imp_weight_cap, cfg.clip_ratio_c,
+                              inputs.seq_ids, cfg.importance_sampling_level)
+
+
+@register_policy_loss("gspo", clip=(3e-4, 4e-4), aggregation="seq_mean")
+def _gspo(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`gspo_loss` around the behaviour policy, with GSPO's own clip range and sequence-mean aggregation
+    unless the config sets them."""
+    return gspo_loss(logprobs, inputs.behav_logprobs, inputs.advantages, inputs.mask, cfg.clip_low, cfg.clip_high,
+                     seq_ids=inputs.seq_ids)

@@ -261,8 +261,9 @@ def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperat
 
 
 class ChunkedHeadLogprobs(torch.autograd.Function):
-    """Log-prob of a target per row of ``hidden @ weight^T (+ bias)`` at a temperature, and (no grad) the
-    entropy of that distribution, computed ``chunk_tokens`` rows at a time.
+    """Log-prob of a target per row of ``hidden @ weight^T (+ bias)`` at a temperature, and the entropy of that
+    distribution (differentiable when ``entropy_grad``, for an entropy bonus), computed ``chunk_tokens`` rows at
+    a time.
 
     Only one chunk's ``[chunk, vocab]`` float32 logits exist at a time (two buffers of that size in the
     forward, one in the backward), which recomputes them from the saved hidden states: one extra matmul per
@@ -270,7 +271,8 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     float32 per row.
 
     ``apply(hidden [N, H], weight [V, H], bias [V] | None, targets [N], temperature, chunk_tokens,
-    compute_dtype, with_entropy) -> (logprobs [N], entropy [N] or [0])``, both float32. The matmuls run in
+    compute_dtype, with_entropy, entropy_grad) -> (logprobs [N], entropy [N] or [0])``, both float32. With
+    ``entropy_grad`` the backward needs a second ``[chunk, vocab]`` buffer. The matmuls run in
     ``compute_dtype`` (the autocast dtype when the caller runs under autocast, else the weight's), the
     softmax in float32. The weight gradient is accumulated over chunks in the weight's dtype (in place when
     that is the compute dtype; else each chunk's ``[V, H]`` product is added, as autocast's cast back did).
@@ -278,7 +280,8 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                chunk_tokens: int, compute_dtype: torch.dtype, with_entropy: bool) -> tuple[Tensor, Tensor]:
+                chunk_tokens: int, compute_dtype: torch.dtype, with_entropy: bool,
+                entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
         n, vocab = hidden.shape[0], weight.shape[0]
         f32 = {"dtype": torch.float32, "device": hidden.device}
         logprobs, lse = torch.empty(n, **f32), torch.empty(n, **f32)
@@ -299,14 +302,16 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             logprobs[start:end] = picked - chunk_lse
             if with_entropy:  # H = lse - sum_v softmax_v * z_v, as entropy_from_logits
                 entropy[start:end] = chunk_lse - exp.mul_(logits).sum(1) / total
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.entropy_grad = with_entropy and entropy_grad
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if ctx.entropy_grad else None)
         ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype = temperature, chunk_tokens, compute_dtype
-        ctx.mark_non_differentiable(entropy)
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logprobs: Tensor, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         compute, temperature, chunk_tokens = ctx.compute_dtype, ctx.temperature, ctx.chunk_tokens
         n, vocab = hidden.shape[0], weight.shape[0]
@@ -316,14 +321,26 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = torch.zeros_like(bias) if need_bias else None
         grad = grad_logprobs.float()
+        with_h = ctx.entropy_grad and grad_entropy is not None
+        grad_h = grad_entropy.float() if with_h else None
         logits_buf = torch.empty(min(chunk_tokens, n), vocab, dtype=torch.float32, device=hidden.device)
+        coef_buf = torch.empty_like(logits_buf) if with_h else None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, n, chunk_tokens):
                 end = min(start + chunk_tokens, n)
                 g, rows = grad[start:end, None], hidden[start:end].to(compute)
-                # d logprob / d z = onehot(target) - softmax(z), built in place on the recomputed logits
+                # d logprob / d z = onehot(target) - softmax(z), built in place on the recomputed logits; with the
+                # entropy's gradient dH / dz = -softmax(z) * (log softmax(z) + H) added:
+                # grad_z = onehot * g - p * (g + g_H * (log p + H))
                 grad_logits = _scaled_logits(rows, w, b, temperature, logits_buf[:end - start])
-                grad_logits.sub_(lse[start:end, None]).exp_().mul_(-g).scatter_add_(1, targets[start:end, None], g)
+                log_p = grad_logits.sub_(lse[start:end, None])
+                if with_h:
+                    g_h = grad_h[start:end, None]
+                    coef = torch.mul(log_p, g_h, out=coef_buf[:end - start]).add_(g + g_h * entropy[start:end, None])
+                    grad_logits = log_p.exp_().mul_(coef).neg_()
+                else:
+                    grad_logits = log_p.exp_().mul_(-g)
+                grad_logits.scatter_add_(1, targets[start:end, None], g)
                 if temperature != 1.0:
                     grad_logits.div_(temperature)
                 grad_raw = grad_logits.to(compute)  # the same buffer when computing in float32
@@ -336,7 +353,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                         grad_weight += grad_raw.t() @ rows
                 if need_bias:
                     grad_bias += grad_raw.sum(0)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _compute_dtype(weight: Tensor) -> torch.dtype:
@@ -376,14 +393,16 @@ def packed_logprobs_and_entropy(
     attention: Literal["auto", "mask", "position_ids"] = "auto",
     chunk_tokens: int = 1024,
     with_entropy: bool = True,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of every token of a packed row given the earlier tokens of its own sequence, and the entropy of
     the distribution it was sampled from; both ``[T]`` float32, aligned with ``input_ids``.
 
     ``logprobs[t] = log softmax(z_{t-1} / temperature)[input_ids[t]]`` and ``entropy[t]`` the entropy of that
     same softmax, where ``z_{t-1}`` are the logits after token t-1 of t's sequence. Both are 0 at the first
-    token of each sequence (``batch.label_mask`` False). Gradients flow to the model through ``logprobs``;
-    ``entropy`` is detached, or all zeros when ``with_entropy`` is False.
+    token of each sequence (``batch.label_mask`` False). Gradients flow to the model through ``logprobs``, and
+    through ``entropy`` when ``entropy_grad`` (an entropy bonus); else ``entropy`` is detached, or all zeros when
+    ``with_entropy`` is False.
 
     ``model`` is a transformers causal LM, bare or wrapped (DDP, DeepSpeed, FSDP2): it is called as usual,
     but its LM head computes only :class:`ChunkedHeadLogprobs`, ``chunk_tokens`` rows at a time, so no
@@ -403,7 +422,8 @@ def packed_logprobs_and_entropy(
     def chunked_head(hidden_states: Tensor) -> Tensor:
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])[positions - 1]
         logprobs, entropy = ChunkedHeadLogprobs.apply(rows, head.weight, head.bias, targets, temperature,
-                                                      chunk_tokens, _compute_dtype(head.weight), with_entropy)
+                                                      chunk_tokens, _compute_dtype(head.weight), with_entropy,
+                                                      entropy_grad)
         return torch.stack([logprobs, entropy], 1) if with_entropy else logprobs[:, None]
 
     with _lm_head_replaced(head, chunked_head) as head_outputs:
@@ -417,7 +437,10 @@ def packed_logprobs_and_entropy(
                          "scaling?) or calls the head more than once; chunked log-probs support plain heads only")
     zeros = per_row.new_zeros(batch.input_ids.shape[1])
     logprobs = zeros.index_put((positions,), per_row[:, 0])
-    entropy = zeros.index_put((positions,), per_row[:, 1].detach()) if with_entropy else zeros
+    if with_entropy:
+        entropy = zeros.index_put((positions,), per_row[:, 1] if entropy_grad else per_row[:, 1].detach())
+    else:
+        entropy = zeros
     return logprobs, entropy
 
 

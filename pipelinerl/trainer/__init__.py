@@ -1,7 +1,16 @@
 """The trainer role: `Trainer` (implements `pipelinerl.contracts.trainer.TrainerBackend` on accelerate),
 batch packing, the optimizer and schedule, checkpoints and Hugging Face export."""
 
-from pipelinerl.trainer.batch import MicroBatch, StepBatch, build_step, group_advantages, validate_samples
+from pipelinerl.trainer.batch import (
+    MicroBatch,
+    Minibatch,
+    StepBatch,
+    build_step,
+    group_advantages,
+    sample_advantages,
+    set_sample_advantages,
+    validate_samples,
+)
 from pipelinerl.trainer.checkpoint import (
     checkpoint_dir,
     export_hf,
@@ -15,6 +24,7 @@ from pipelinerl.trainer.trainer import Trainer, make_accelerator
 
 __all__ = [
     "MicroBatch",
+    "Minibatch",
     "StepBatch",
     "Trainer",
     "build_optimizer",
@@ -28,7 +38,9 @@ __all__ = [
     "load_checkpoint",
     "lr_factor",
     "make_accelerator",
+    "sample_advantages",
     "save_checkpoint",
+    "set_sample_advantages",
     "WeightPublisher",
     "validate_samples",
 ]

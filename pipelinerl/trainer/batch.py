@@ -1,42 +1,39 @@
-"""From a list of scored samples to packed micro-batches: validation, group advantages, packing.
+"""From a list of scored samples to packed micro-batches: validation, minibatches, packing, advantages.
 
 Every rank of the trainer receives the whole step's batch: advantages are computed over all of it (they need
-whole groups), the loss denominators count all of it, and each rank then packs its own share
-(`samples[rank::world_size]`) into micro-batches of at most `micro_batch_tokens` tokens.
+whole groups), the loss denominators count all of it, and each rank then packs its own share of each minibatch
+(`minibatch[rank::world_size]`) into micro-batches of at most `micro_batch_tokens` tokens. A step has
+`trainer.ppo_minibatches` minibatches (consecutive slices of the batch), one optimizer update each.
 
 One packed row holds several `prompt + output` sequences back to back (positions restart per sequence); the
 per-token fields are aligned with `input_ids`:
-- `loss_mask`: True on output tokens (the ones the policy is trained on), False on prompt tokens;
+- `loss_mask`: True on output tokens the policy is trained on; False on prompt tokens, and on the whole output of
+  a truncated sample under overlong filtering;
 - `behav_logprobs`: the engine's log-prob of each output token (0 on prompt tokens);
-- `advantages`: the sample's advantage on each of its tokens.
+- `advantages`: the sample's advantage on each of its tokens (or a per-token one: GAE), set by the trainer once
+  the no-grad passes (reference, critic) have run: `set_sample_advantages`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from pipelinerl.rl.advantages import (
-    dr_grpo_advantages,
-    grpo_advantages,
-    reinforce_pp_baseline_advantages,
-    rloo_advantages,
-)
 from pipelinerl.rl.packing import PackedBatch, build_packed_batch, pack_sequences
+from pipelinerl.rl.registry import AdvantageInputs, advantage
 from pipelinerl.samples import Sample
 
-ADVANTAGES = {
-    "grpo": grpo_advantages,
-    "dr_grpo": dr_grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
-}
+if TYPE_CHECKING:
+    from pipelinerl.config import TrainerConfig
+
+TRUNCATED = "length"  # finish_reason of an output cut off by the length limit
 
 
 @dataclass
@@ -54,14 +51,43 @@ class MicroBatch:
 
 
 @dataclass
+class Minibatch:
+    """One optimizer update's share of the step: this rank's micro-batches; counts over all ranks (denominators)."""
+
+    micro_batches: list[MicroBatch]
+    num_samples: int
+    num_tokens: int  # tokens trained on (loss_mask) in the whole minibatch
+
+
+@dataclass
 class StepBatch:
-    """What one optimizer step trains on. Counts cover the whole batch (all ranks), for loss denominators."""
+    """What one optimizer step trains on. Per-sample tensors and counts cover the whole batch (all ranks)."""
 
     samples: list[Sample]
-    advantages: Tensor  # [N], one per sample
-    micro_batches: list[MicroBatch]  # this rank's share
-    num_samples: int
-    num_output_tokens: int
+    group_ids: Tensor  # [N] long, dense group labels
+    trained_tokens: Tensor  # [N] float, tokens of each sample in the loss (0 for one dropped by overlong filtering)
+    minibatches: list[Minibatch]
+    advantages: Tensor | None = None  # [N], once computed (per-token estimators: each sample's token mean)
+    filtered: int = 0  # samples left out of the loss by overlong filtering
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens trained on in the whole step."""
+        return int(self.trained_tokens.sum())
+
+    @property
+    def rewards(self) -> Tensor:
+        return torch.tensor([s.reward for s in self.samples], dtype=torch.float32)
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        """This rank's micro-batches of every minibatch, in order."""
+        return [mb for m in self.minibatches for mb in m.micro_batches]
 
 
 def _where(i: int, s: Any) -> str:
@@ -112,60 +138,101 @@ def validate_samples(samples: Sequence[Sample], micro_batch_tokens: int) -> None
                              f"{micro_batch_tokens}")
 
 
-def group_advantages(samples: Sequence[Sample], estimator: str) -> Tensor:
-    """One advantage per sample from its reward and its group's rewards (groups keyed by `group_id`)."""
-    if estimator not in ADVANTAGES:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {', '.join(ADVANTAGES)}")
+def dense_group_ids(samples: Sequence[Sample]) -> Tensor:
     labels: dict[str, int] = {}
-    group_ids = torch.tensor([labels.setdefault(s.group_id, len(labels)) for s in samples], dtype=torch.long)
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return ADVANTAGES[estimator](rewards, group_ids)
+    return torch.tensor([labels.setdefault(s.group_id, len(labels)) for s in samples], dtype=torch.long)
 
 
-def pack_samples(samples: Sequence[Sample], advantages: Tensor, indices: Sequence[int], token_budget: int,
-                 device: torch.device | str | None = None) -> list[MicroBatch]:
+def sample_advantages(step: StepBatch, cfg: TrainerConfig, rewards: Tensor | None = None) -> Tensor:
+    """One advantage per sample from the registered estimator `trainer.advantage` (rewards: the samples' own,
+    unless given, e.g. less a KL penalty)."""
+    spec = advantage(cfg.advantage)
+    if spec.token_level:
+        raise ValueError(f"trainer.advantage {cfg.advantage!r} is computed per token (with the critic), not per sample")
+    inputs = AdvantageInputs(rewards=step.rewards if rewards is None else rewards, group_ids=step.group_ids,
+                             lengths=step.trained_tokens)
+    adv = spec.fn(inputs, cfg)
+    if adv.shape != (step.num_samples,):
+        raise ValueError(f"advantage estimator {cfg.advantage!r} returned shape {tuple(adv.shape)}, expected "
+                         f"({step.num_samples},): one advantage per sample")
+    return adv
+
+
+def group_advantages(samples: Sequence[Sample], estimator: str, cfg: TrainerConfig | None = None) -> Tensor:
+    """One advantage per sample from its reward and its group's rewards (groups keyed by `group_id`)."""
+    from pipelinerl.config import TrainerConfig
+
+    cfg = dataclasses.replace(cfg or TrainerConfig(), advantage=estimator)
+    step = StepBatch(samples=list(samples), group_ids=dense_group_ids(samples),
+                     trained_tokens=torch.tensor([float(len(s.output_token_ids)) for s in samples]), minibatches=[])
+    return sample_advantages(step, cfg)
+
+
+def set_sample_advantages(micro_batches: Sequence[MicroBatch], advantages: Tensor) -> None:
+    """Put each sample's advantage on every token of it (the `advantages` field)."""
+    for mb in micro_batches:
+        p = mb.packed
+        per_seq = advantages.to(p.input_ids.device, torch.float32)[torch.tensor(mb.sample_indices, dtype=torch.long)]
+        p.fields["advantages"] = per_seq[p.seq_ids.to(per_seq.device)]
+
+
+def pack_samples(samples: Sequence[Sample], indices: Sequence[int], token_budget: int,
+                 device: torch.device | str | None = None, overlong_filtering: bool = False) -> list[MicroBatch]:
     """Pack the samples at `indices` into micro-batches of at most `token_budget` tokens (no padding)."""
     lengths = [len(samples[i].prompt_token_ids) + len(samples[i].output_token_ids) for i in indices]
     micro_batches = []
     for bin_ in pack_sequences(lengths, token_budget):
         chosen = [indices[b] for b in bin_]
-        micro_batches.append(MicroBatch(_pack(samples, advantages, chosen, device), chosen))
+        micro_batches.append(MicroBatch(_pack(samples, chosen, device, overlong_filtering), chosen))
     return micro_batches
 
 
-def _pack(samples: Sequence[Sample], advantages: Tensor, chosen: Sequence[int],
-          device: torch.device | str | None) -> PackedBatch:
+def _pack(samples: Sequence[Sample], chosen: Sequence[int], device: torch.device | str | None,
+          overlong_filtering: bool) -> PackedBatch:
     sequences, mask, behav, adv = [], [], [], []
     for i in chosen:
         s = samples[i]
         p, o = len(s.prompt_token_ids), len(s.output_token_ids)
+        trained = not (overlong_filtering and s.finish_reason == TRUNCATED)
         sequences.append(list(s.prompt_token_ids) + list(s.output_token_ids))
-        mask.append(torch.cat([torch.zeros(p, dtype=torch.bool), torch.ones(o, dtype=torch.bool)]))
+        mask.append(torch.cat([torch.zeros(p, dtype=torch.bool), torch.full((o,), trained, dtype=torch.bool)]))
         behav.append([0.0] * p + list(s.behav_logprobs))
-        adv.append(torch.full((p + o,), float(advantages[i])))
+        adv.append(torch.zeros(p + o))
     return build_packed_batch(sequences, {"loss_mask": mask, "behav_logprobs": behav, "advantages": adv},
                               device=device)
 
 
 def pad_micro_batches(micro_batches: list[MicroBatch], target: int, filler: MicroBatch) -> list[MicroBatch]:
     """Append zero-weight copies of `filler` until there are `target` micro-batches."""
-    pads = [MicroBatch(filler.packed, [], weight=0.0) for _ in range(target - len(micro_batches))]
+    pads = [MicroBatch(filler.packed, filler.sample_indices, weight=0.0) for _ in range(target - len(micro_batches))]
     return micro_batches + pads
 
 
-def build_step(batch: Sequence[Sample | Mapping[str, Any]], advantage: str, micro_batch_tokens: int,
-               rank: int = 0, world_size: int = 1, device: torch.device | str | None = None) -> StepBatch:
-    """Validate the batch, compute advantages over all of it and pack this rank's share."""
+def minibatch_slices(num_samples: int, minibatches: int) -> list[range]:
+    """`minibatches` consecutive, near-equal slices of the batch (no empty one: at most one per sample)."""
+    k = max(1, min(minibatches, num_samples))
+    bounds = [round(j * num_samples / k) for j in range(k + 1)]
+    return [range(bounds[j], bounds[j + 1]) for j in range(k)]
+
+
+def build_step(batch: Sequence[Sample | Mapping[str, Any]], micro_batch_tokens: int, rank: int = 0,
+               world_size: int = 1, device: torch.device | str | None = None, minibatches: int = 1,
+               overlong_filtering: bool = False) -> StepBatch:
+    """Validate the batch, split it into minibatches and pack this rank's share of each. Advantages come later
+    (`sample_advantages`, `set_sample_advantages`): some estimators need the no-grad passes first."""
     samples = to_samples(batch)
     validate_samples(samples, micro_batch_tokens)
-    advantages = group_advantages(samples, advantage)
-    mine = list(range(rank, len(samples), world_size))
-    micro_batches = pack_samples(samples, advantages, mine, micro_batch_tokens, device) if mine else []
-    return StepBatch(samples=samples, advantages=advantages, micro_batches=micro_batches,
-                     num_samples=len(samples),
-                     num_output_tokens=sum(len(s.output_token_ids) for s in samples))
+    dropped = [overlong_filtering and s.finish_reason == TRUNCATED for s in samples]
+    trained = torch.tensor([0.0 if d else float(len(s.output_token_ids)) for s, d in zip(samples, dropped)])
+    parts = []
+    for part in minibatch_slices(len(samples), minibatches):
+        mine = list(part)[rank::world_size]
+        mbs = pack_samples(samples, mine, micro_batch_tokens, device, overlong_filtering) if mine else []
+        parts.append(Minibatch(mbs, num_samples=len(part), num_tokens=int(trained[part.start:part.stop].sum())))
+    return StepBatch(samples=samples, group_ids=dense_group_ids(samples), trained_tokens=trained, minibatches=parts,
+                     filtered=sum(dropped))
 
 
 def filler_micro_batch(step: StepBatch, micro_batch_tokens: int, device: torch.device | str | None) -> MicroBatch:
     """A micro-batch of sample 0, for ranks that need padding passes (its loss is multiplied by 0)."""
-    return pack_samples(step.samples, step.advantages, [0], micro_batch_tokens, device)[0]
+    return pack_samples(step.samples, [0], micro_batch_tokens, device)[0]

@@ -6,10 +6,15 @@ few places where sharding matters (gathering full parameters, the DeepSpeed back
 
 `optimizer_step` reads top to bottom:
 
-    batch -> validate -> advantages per group -> pack this rank's share into micro-batches
-          -> [decoupled PPO: proximal log-probs, no grad] -> [KL: reference log-probs, no grad]
-          -> per micro-batch: log-probs -> policy loss (+ KL) -> aggregate -> backward (accumulate)
-          -> clip -> NaN/inf check -> optimizer + scheduler step -> version += 1 -> [reference reset]
+    batch -> validate -> split into trainer.ppo_minibatches -> pack this rank's share into micro-batches
+          -> no grad: [proximal log-probs (decoupled PPO)] [reference log-probs (KL)] [values (critic)]
+          -> advantages (the registered estimator, or GAE from the critic; KL in the reward first if asked)
+          -> per minibatch: per micro-batch: log-probs -> policy loss (+ KL) (- entropy bonus) -> aggregate
+                            -> backward (accumulate); then clip -> NaN/inf check -> optimizer update
+          -> [critic updates] -> scheduler step -> version += 1 -> [reference reset (+ optimizer reset)]
+
+Algorithms are looked up by name in `pipelinerl.rl.registry` (losses and estimators register themselves there), so
+this file does not change when one is added.
 """
 
 from __future__ import annotations
@@ -31,22 +36,27 @@ from transformers import AutoModelForCausalLM
 
 from pipelinerl.config import TrainerConfig, WeightSyncConfig
 from pipelinerl.contracts.trainer import BroadcastStats
-from pipelinerl.rl.kl import ReferenceResetPolicy, kl_estimate, reset_reference
-from pipelinerl.rl.losses import (
-    aggregate,
-    decoupled_ppo_loss,
-    gspo_loss,
-    ppo_clip_loss,
-    reinforce_is_loss,
-)
+from pipelinerl.rl import registry
+from pipelinerl.rl.kl import KLCoefficient, ReferenceResetPolicy, kl_estimate, reset_reference
+from pipelinerl.rl.losses import aggregate
 from pipelinerl.rl.packing import (
     PackedBatch,
     packed_logprobs,
     packed_logprobs_and_entropy,
     resolve_attn_implementation,
 )
+from pipelinerl.rl.registry import LossInputs
 from pipelinerl.samples import Sample
-from pipelinerl.trainer.batch import MicroBatch, StepBatch, build_step, filler_micro_batch, pad_micro_batches
+from pipelinerl.trainer.batch import (
+    MicroBatch,
+    Minibatch,
+    StepBatch,
+    build_step,
+    filler_micro_batch,
+    pad_micro_batches,
+    sample_advantages,
+    set_sample_advantages,
+)
 from pipelinerl.trainer.optim import build_optimizer, build_scheduler
 from pipelinerl.trainer.publisher import WeightPublisher
 from pipelinerl.weight_sync import DTYPES, WeightUpdateGroup
@@ -54,7 +64,8 @@ from pipelinerl.weight_sync import DTYPES, WeightUpdateGroup
 log = logging.getLogger(__name__)
 
 # Sums over trained tokens that make up the step's stats (reduced across data-parallel ranks).
-_SUM_KEYS = ("loss", "tokens", "kl", "entropy", "clip_low", "clip_high", "w", "w2")
+_SUM_KEYS = ("loss", "tokens", "kl", "entropy", "clip_low", "clip_high", "clipped", "dual_clip", "behav_capped", "w",
+             "w2")
 
 
 def make_accelerator(cfg: TrainerConfig) -> Accelerator:
@@ -117,7 +128,10 @@ class Trainer:
     def __init__(self, model_path: str, cfg: TrainerConfig | None = None,
                  weight_sync: WeightSyncConfig | None = None, dtype: str = "float32", seed: int = 0,
                  accelerator: Accelerator | None = None):
-        self.cfg = cfg or TrainerConfig()
+        # unset algorithm settings (clip range, aggregation) take the chosen loss's defaults
+        self.cfg = (cfg or TrainerConfig()).with_algorithm_defaults()
+        self.loss_spec = registry.policy_loss(self.cfg.policy_loss)
+        self.adv_spec = registry.advantage(self.cfg.advantage)
         self.sync_cfg = weight_sync or WeightSyncConfig()
         self.model_path = str(model_path)
         self.weights_dtype = DTYPES[dtype]
@@ -143,7 +157,12 @@ class Trainer:
         self._attention = "auto" if hasattr(self.model, "config") else "position_ids"
 
         self.ref_model = self._load_reference() if self.cfg.kl_coef > 0 else None
-        self.ref_resets = ReferenceResetPolicy(every_n_steps=self.cfg.ref_reset_every or None)
+        c = self.cfg
+        self.ref_resets = ReferenceResetPolicy(every_n_steps=c.ref_reset_every or None, kl_threshold=c.ref_reset_kl,
+                                               patience=c.ref_reset_patience or None)
+        self.kl_coef = KLCoefficient(c.kl_coef, c.kl_schedule, c.kl_coef_end, c.kl_schedule_steps, c.kl_target,
+                                     c.kl_horizon)
+        self.critic = None
         self._version = 0
         self.step = 0  # optimizer_step calls, skipped ones included
 
@@ -251,56 +270,89 @@ class Trainer:
     # --- the optimizer step ---------------------------------------------------------------------------------
 
     def optimizer_step(self, batch: Sequence[Sample | Mapping[str, Any]]) -> dict[str, float]:
-        """One optimizer step on a batch of scored samples (see the module docstring for the flow).
+        """One step on a batch of scored samples: `trainer.ppo_minibatches` optimizer updates, one weight version
+        (see the module docstring for the flow).
 
         Raises ValueError naming the sample for a batch it cannot train on. A NaN/inf loss or gradient skips
-        the update (weights, optimizer state and version untouched) and returns stats with `skipped` = 1.
+        that update (weights and optimizer state untouched by it); when every update of the step is skipped the
+        version stays, and the stats say `skipped` = 1.
         """
         start = time.perf_counter()
         cfg, acc = self.cfg, self.accelerator
-        step = build_step(batch, cfg.advantage, cfg.micro_batch_tokens, acc.process_index, acc.num_processes,
-                          acc.device)
-        micro_batches = self._same_count_on_all_ranks(step)
+        step = build_step(batch, cfg.micro_batch_tokens, acc.process_index, acc.num_processes, acc.device,
+                          cfg.ppo_minibatches, cfg.overlong_filtering)
+        minibatches = [self._same_count_on_all_ranks(step, m.micro_batches) for m in step.minibatches]
+        every_mb = [mb for mbs in minibatches for mb in mbs]
         lags = [s.lag(self.version) for s in step.samples]
-        lr = self.lr
+        lr, kl_coef = self.lr, self.kl_coef.at_step(self.step)
         self.model.train()
 
-        if cfg.policy_loss == "decoupled_ppo":
-            self._add_logprobs(self.model, micro_batches, "prox_logprobs", self._attention)
+        # before any update, with no gradient: the policies the loss compares against, and the critic's values
+        if self.loss_spec.needs_proximal:
+            self._add_logprobs(self.model, every_mb, "prox_logprobs", self._attention)
         if self.ref_model is not None:
-            self._add_logprobs(self.ref_model, micro_batches, "ref_logprobs", "auto")
+            self._add_logprobs(self.ref_model, every_mb, "ref_logprobs", "auto")
+            self._add_kl(every_mb)
+        self._set_advantages(step, every_mb, kl_coef)
 
         sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64, device=acc.device)
+        first_clip = torch.zeros((), dtype=torch.float64, device=acc.device)
         w_max = torch.zeros((), dtype=torch.float64, device=acc.device)
-        for i, mb in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with self._no_grad_sync_unless(last):
-                loss, mb_sums, mb_w_max = self._micro_batch_loss(mb, step)
-                # DDP / ZeRO / FSDP average gradients over ranks; each rank's loss already has the whole
-                # step's denominator, so scale back up to get the sum.
-                self._backward(loss * acc.num_processes * mb.weight, last)
-            if mb.weight:
-                sums += mb_sums
-                w_max = torch.maximum(w_max, mb_w_max)
-        sums, w_max = self._reduce(sums, w_max)
+        grad_norms, applied_updates = [], 0
+        for k, (part, mbs) in enumerate(zip(step.minibatches, minibatches)):
+            part_sums = torch.zeros_like(sums)
+            for i, mb in enumerate(mbs):
+                last = i == len(mbs) - 1
+                with self._no_grad_sync_unless(last):
+                    loss, mb_sums, mb_w_max = self._micro_batch_loss(mb, step, part, kl_coef)
+                    # DDP / ZeRO / FSDP average gradients over ranks; each rank's loss already has the whole
+                    # minibatch's denominator, so scale back up to get the sum.
+                    self._backward(loss * acc.num_processes * mb.weight, last)
+                if mb.weight:
+                    part_sums += mb_sums
+                    w_max = torch.maximum(w_max, mb_w_max)
+            part_sums = self._all_reduce(part_sums)
+            applied, grad_norm = self._apply_update(math.isfinite(float(part_sums[0])))
+            if not applied:
+                log.warning("step %d, minibatch %d: non-finite loss (%s) or gradient norm (%s); update skipped, "
+                            "weights kept", self.step, k, float(part_sums[0]), grad_norm)
+            applied_updates += applied
+            grad_norms.append(grad_norm)
+            sums += part_sums
+            if k == 0:
+                first_clip = part_sums[_SUM_KEYS.index("clipped")] / part_sums[_SUM_KEYS.index("tokens")].clamp(min=1)
+        w_max = self._all_reduce(w_max, dist.ReduceOp.MAX)
         totals = dict(zip(_SUM_KEYS, sums.tolist()))
+        totals["loss"] /= len(minibatches)  # each minibatch's loss is a mean over its own samples or tokens
+        critic_stats = self._update_critic(step) if self.critic is not None else {}
 
-        applied, grad_norm = self._apply_update(math.isfinite(totals["loss"]))
+        applied = applied_updates > 0
         self.step += 1
         ref_reset = False
         if applied:
+            self.scheduler.step()  # the learning-rate schedule counts steps (batches), not minibatch updates
             self._version += 1
-            ref_reset = self._maybe_reset_reference()
-        else:
-            log.warning("step %d: non-finite loss (%s) or gradient norm (%s); update skipped, weights and "
-                        "version %d kept", self.step, totals["loss"], grad_norm, self.version)
-        return self._stats(step, totals, float(w_max), grad_norm, lags, lr, applied, ref_reset,
-                           len(micro_batches), time.perf_counter() - start)
+            self.kl_coef.update(totals["kl"] / max(totals["tokens"], 1.0), step.num_samples)
+            ref_reset = self._maybe_reset_reference(totals["kl"] / max(totals["tokens"], 1.0))
+        stats = self._stats(step, totals, float(w_max), grad_norms, lags, lr, applied, ref_reset,
+                            len(every_mb), time.perf_counter() - start)
+        stats.update(kl_coef=kl_coef, updates_applied=float(applied_updates),
+                     clip_frac_first_minibatch=float(first_clip),
+                     clip_frac_later_minibatches=self._later_clip_frac(totals, float(first_clip), step),
+                     **critic_stats)
+        return stats
 
-    def _same_count_on_all_ranks(self, step: StepBatch) -> list[MicroBatch]:
-        """Pad this rank's micro-batches with zero-weight ones so every rank runs as many passes (sharded
-        models gather parameters collectively in every forward and backward)."""
-        mbs = step.micro_batches
+    def _later_clip_frac(self, totals: dict[str, float], first: float, step: StepBatch) -> float:
+        """Clipped fraction of the tokens of the minibatches after the first (0 with one minibatch)."""
+        first_tokens = step.minibatches[0].num_tokens
+        later_tokens = totals["tokens"] - first_tokens
+        if later_tokens <= 0:
+            return 0.0
+        return (totals["clipped"] - first * first_tokens) / later_tokens
+
+    def _same_count_on_all_ranks(self, step: StepBatch, mbs: list[MicroBatch]) -> list[MicroBatch]:
+        """Pad this rank's micro-batches of one minibatch with zero-weight ones so every rank runs as many passes
+        (sharded models gather parameters collectively in every forward and backward)."""
         if self.accelerator.num_processes == 1:
             return mbs
         count = torch.tensor(len(mbs), device=self.accelerator.device)
@@ -318,50 +370,96 @@ class Trainer:
                 mb.packed.fields[field] = packed_logprobs(model, mb.packed, self.cfg.temperature, attention,
                                                           self.cfg.logprob_chunk_tokens)
 
-    def _micro_batch_loss(self, mb: MicroBatch, step: StepBatch) -> tuple[Tensor, Tensor, Tensor]:
-        """The micro-batch's share of the step loss, plus its stat sums (in `_SUM_KEYS` order) and max IS weight."""
+    @torch.no_grad()
+    def _add_kl(self, micro_batches: list[MicroBatch]) -> None:
+        """The behaviour policy's KL to the reference per token (`kl_behav`), from the engine's log-probs: what the
+        KL-in-reward penalty charges (the sampled tokens' KL, as OpenRLHF computes it before training)."""
+        for mb in micro_batches:
+            f = mb.packed.fields
+            kl = kl_estimate(f["behav_logprobs"], f["ref_logprobs"], self.cfg.kl_estimator)
+            f["kl_behav"] = torch.where(f["loss_mask"], kl, torch.zeros_like(kl))
+
+    def _set_advantages(self, step: StepBatch, micro_batches: list[MicroBatch], kl_coef: float) -> None:
+        """Every token's advantage: the registered per-sample estimator over the step's rewards (less the KL
+        penalty with `trainer.kl_in_reward`), or GAE from the critic's values."""
+        cfg = self.cfg
+        rewards = step.rewards.to(torch.float64)
+        kl_sums = None
+        if cfg.kl_in_reward:
+            kl_sums = self._per_sample_sums(step, micro_batches, "kl_behav")
+            step.extra["kl_penalty_mean"] = float(kl_coef * kl_sums.mean())
+        if self.adv_spec.token_level:
+            step.advantages = self.critic.set_gae_advantages(step, micro_batches, kl_coef if cfg.kl_in_reward else 0.0)
+            return
+        if kl_sums is not None:
+            rewards = rewards - kl_coef * kl_sums
+        step.advantages = sample_advantages(step, cfg, rewards.to(torch.float32))
+        set_sample_advantages(micro_batches, step.advantages)
+
+    def _per_sample_sums(self, step: StepBatch, micro_batches: list[MicroBatch], field: str) -> Tensor:
+        """Each sample's sum of a per-token field over the whole step ([N], float64, the same on every rank)."""
+        out = torch.zeros(step.num_samples, dtype=torch.float64, device=self.accelerator.device)
+        for mb in micro_batches:
+            if not mb.weight:
+                continue
+            p = mb.packed
+            per_seq = torch.zeros(p.num_sequences, dtype=torch.float64, device=out.device)
+            per_seq.index_add_(0, p.seq_ids.to(out.device), p.fields[field].to(torch.float64))
+            out.index_add_(0, torch.tensor(mb.sample_indices, device=out.device), per_seq)
+        if self.accelerator.num_processes > 1:
+            dist.all_reduce(out)
+        return out.cpu()
+
+    def _micro_batch_loss(self, mb: MicroBatch, step: StepBatch, part: Minibatch, kl_coef: float
+                          ) -> tuple[Tensor, Tensor, Tensor]:
+        """The micro-batch's share of its minibatch's loss, plus its stat sums (in `_SUM_KEYS` order) and max IS
+        weight."""
         cfg, p = self.cfg, mb.packed
         mask = p.fields["loss_mask"]
-        # the LM head runs in chunks (no [tokens, vocab] logits); the entropy stat comes from the same chunks
+        # the LM head runs in chunks (no [tokens, vocab] logits); the entropy comes from the same chunks, with a
+        # gradient only when it is a bonus in the loss
         logprobs, entropy = packed_logprobs_and_entropy(self.model, p, cfg.temperature, self._attention,
-                                                        cfg.logprob_chunk_tokens)
+                                                        cfg.logprob_chunk_tokens, entropy_grad=cfg.entropy_coef > 0)
         per_token, loss_stats = self._policy_loss(logprobs, p)
         kl = torch.zeros_like(logprobs)
         if self.ref_model is not None:
             kl = torch.where(mask, kl_estimate(logprobs, p.fields["ref_logprobs"], cfg.kl_estimator), kl)
-            per_token = per_token + cfg.kl_coef * kl
-        loss = aggregate(per_token, mask, cfg.aggregation, num_sequences=self._num_sequences(step),
-                         seq_ids=p.seq_ids, num_tokens=step.num_output_tokens)
+            if not cfg.kl_in_reward:
+                per_token = per_token + kl_coef * kl
+        if cfg.entropy_coef > 0:
+            per_token = per_token - cfg.entropy_coef * torch.where(mask, entropy, torch.zeros_like(entropy))
+        loss = aggregate(per_token, mask, cfg.aggregation, num_sequences=self._num_sequences(part),
+                         seq_ids=p.seq_ids, num_tokens=part.num_tokens)
 
         with torch.no_grad():
             tokens = mask.sum()
             w = torch.where(mask, torch.exp(logprobs - p.fields["behav_logprobs"]), torch.zeros_like(logprobs))
             zero = torch.zeros((), device=logprobs.device)
+            clip_low, clip_high = loss_stats.get("clip_low_frac", zero), loss_stats.get("clip_high_frac", zero)
+            dual = loss_stats.get("dual_clip_frac", zero)
             sums = torch.stack([
                 loss.detach().float(), tokens.float(), kl.detach().sum(),
-                torch.where(mask, entropy, torch.zeros_like(entropy)).sum(),
-                loss_stats.get("clip_low_frac", zero) * tokens, loss_stats.get("clip_high_frac", zero) * tokens,
-                w.sum(), w.square().sum(),
+                torch.where(mask, entropy.detach(), torch.zeros_like(entropy)).sum(),
+                clip_low * tokens, clip_high * tokens, (clip_low + clip_high) * tokens, dual * tokens,
+                loss_stats.get("behav_capped_frac", zero) * tokens, w.sum(), w.square().sum(),
             ]).to(torch.float64)
         return loss, sums, w.max().to(torch.float64)
 
-    def _num_sequences(self, step: StepBatch) -> int:
-        """token_sum_norm divides by the fixed samples_per_step (every token weighs the same whatever the
-        batch); seq_mean by the sequences of this step."""
-        return self.cfg.samples_per_step if self.cfg.aggregation == "token_sum_norm" else step.num_samples
+    def _num_sequences(self, part: Minibatch) -> float:
+        """token_sum_norm divides by the fixed samples per update (samples_per_step / ppo_minibatches: every token
+        weighs the same whatever the batch); seq_mean by the sequences of this minibatch."""
+        if self.cfg.aggregation == "token_sum_norm":
+            return self.cfg.samples_per_step / self.cfg.ppo_minibatches
+        return part.num_samples
 
     def _policy_loss(self, logprobs: Tensor, p: PackedBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        cfg, f = self.cfg, p.fields
-        mask, behav, adv = f["loss_mask"], f["behav_logprobs"], f["advantages"]
-        if cfg.policy_loss == "reinforce_is":
-            return reinforce_is_loss(logprobs, behav, adv, mask, cfg.is_cap)
-        if cfg.policy_loss == "ppo_clip":  # one update per batch: the "old" policy is the behaviour policy
-            return ppo_clip_loss(logprobs, behav, adv, mask, cfg.clip_low, cfg.clip_high)
-        if cfg.policy_loss == "decoupled_ppo":
-            return decoupled_ppo_loss(logprobs, f["prox_logprobs"], behav, adv, mask, cfg.clip_low, cfg.clip_high)
-        if cfg.policy_loss == "gspo":
-            return gspo_loss(logprobs, behav, adv, mask, cfg.clip_low, cfg.clip_high, seq_ids=p.seq_ids)
-        raise ValueError(f"unknown policy loss {cfg.policy_loss!r}")
+        """The registered loss `trainer.policy_loss` (pipelinerl/rl/registry.py), called as every loss is."""
+        f = p.fields
+        prox = f.get("prox_logprobs")
+        inputs = LossInputs(mask=f["loss_mask"], advantages=f["advantages"], behav_logprobs=f["behav_logprobs"],
+                            old_logprobs=prox if self.loss_spec.needs_proximal else f["behav_logprobs"],
+                            prox_logprobs=prox, seq_ids=p.seq_ids)
+        return self.loss_spec.fn(logprobs, inputs, self.cfg)
 
     def _no_grad_sync_unless(self, last: bool) -> contextlib.AbstractContextManager:
         """Gradients are all-reduced once, after the last micro-batch (DeepSpeed decides this itself)."""
@@ -376,14 +474,14 @@ class Trainer:
         else:
             self.accelerator.backward(loss)
 
-    def _reduce(self, sums: Tensor, w_max: Tensor) -> tuple[Tensor, Tensor]:
+    def _all_reduce(self, t: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
         if self.accelerator.num_processes > 1:
-            dist.all_reduce(sums)
-            dist.all_reduce(w_max, op=dist.ReduceOp.MAX)
-        return sums, w_max
+            dist.all_reduce(t, op=op)
+        return t
 
     def _apply_update(self, loss_finite: bool) -> tuple[bool, float]:
-        """Clip, check, step: (applied, pre-clip gradient norm). Nothing changes when it is not applied."""
+        """Clip, check, step the optimizer (the scheduler steps once per batch, in `optimizer_step`): (applied,
+        pre-clip gradient norm). Nothing changes when it is not applied."""
         if self.is_deepspeed:
             # DeepSpeed clips and steps inside engine.step and skips a step whose gradients overflowed.
             self.model.step()
@@ -392,8 +490,6 @@ class Trainer:
             applied = bool(self.model.was_step_applied())
             if applied and not loss_finite:
                 log.error("DeepSpeed applied a step whose loss was not finite")
-            if applied:
-                self.scheduler.step()
             return applied, grad_norm
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
@@ -401,17 +497,29 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return False, grad_norm
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True, grad_norm
 
-    def _maybe_reset_reference(self) -> bool:
-        """ProRL v2: every `ref_reset_every` versions the KL reference becomes the current policy (the
-        optimizer state is kept)."""
-        if self.ref_model is None or not self.ref_resets.should_reset(self.version):
+    def _maybe_reset_reference(self, kl: float) -> bool:
+        """ProRL: the KL reference becomes the current policy every `ref_reset_every` versions, when the step's KL
+        exceeds `ref_reset_kl`, or after `ref_reset_patience` held-out evaluations without a new best
+        (`note_eval_score`); with `ref_reset_optimizer` the optimizer's moments are reset too."""
+        if self.ref_model is None:
+            return False
+        stagnating = None
+        if self.accelerator.num_processes > 1:  # only the main process evaluates: every rank must decide alike
+            flag = torch.tensor(float(self.ref_resets.stagnating), device=self.accelerator.device)
+            stagnating = bool(self._all_reduce(flag, dist.ReduceOp.MAX))
+        if not self.ref_resets.should_reset(self.version, kl, stagnating):
             return False
         self.reset_reference()
+        if self.cfg.ref_reset_optimizer:
+            reset_optimizer_state(self.optimizer)
         return True
+
+    def note_eval_score(self, score: float) -> None:
+        """A held-out score (higher is better), for the reference reset on a stagnating validation score."""
+        self.ref_resets.note_score(score)
 
     @torch.no_grad()
     def reset_reference(self) -> None:
@@ -425,7 +533,7 @@ class Trainer:
         for name, t in self.full_parameters(all_ranks=True):
             ref_params[name].copy_(t)
 
-    def _stats(self, step: StepBatch, t: dict[str, float], w_max: float, grad_norm: float, lags: list[int],
+    def _stats(self, step: StepBatch, t: dict[str, float], w_max: float, grad_norms: list[float], lags: list[int],
                lr: float, applied: bool, ref_reset: bool, micro_batches: int, seconds: float) -> dict[str, float]:
         n = max(t["tokens"], 1.0)
         adv = step.advantages
@@ -435,30 +543,55 @@ class Trainer:
             "entropy": t["entropy"] / n,
             "clip_low_frac": t["clip_low"] / n,
             "clip_high_frac": t["clip_high"] / n,
+            "dual_clip_frac": t["dual_clip"] / n,
+            "behav_capped_frac": t["behav_capped"] / n,
             "is_weight_mean": t["w"] / n,
             "is_weight_max": w_max,
             "ess": t["w"] ** 2 / (n * t["w2"]) if t["w2"] > 0 else 1.0,  # normalised, in [0, 1]
             "adv_mean": float(adv.mean()),
             "adv_std": float(adv.std(unbiased=False)),
-            "grad_norm": grad_norm,
+            "grad_norm": grad_norms[-1],
+            "grad_norm_max": max(grad_norms),
             "lag_mean": sum(lags) / len(lags),
             "lag_max": float(max(lags)),
             "tokens": t["tokens"],
             "samples": float(step.num_samples),
+            "overlong_filtered": float(step.filtered),
             "micro_batches": float(micro_batches),
             "lr": lr,
             "step_s": seconds,
             "skipped": 0.0 if applied else 1.0,
             "version": float(self.version),
             "ref_reset": 1.0 if ref_reset else 0.0,
+            **step.extra,
         }
 
     # --- state for checkpoints (see checkpoint.py; model/optimizer/scheduler/RNG go through accelerate) ------
 
-    def state_dict(self) -> dict[str, int]:
-        return {"version": self._version, "step": self.step, "ref_last_reset": self.ref_resets.last_reset_step}
+    def state_dict(self) -> dict[str, Any]:
+        r = self.ref_resets
+        return {"version": self._version, "step": self.step, "ref_last_reset": r.last_reset_step,
+                "ref_best_score": r.best_score, "ref_evals_without_improvement": r.evals_without_improvement,
+                "kl_coef": self.kl_coef.value}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._version = int(state["version"])
         self.step = int(state["step"])
         self.ref_resets.last_reset_step = int(state.get("ref_last_reset", 0))
+        self.ref_resets.best_score = float(state.get("ref_best_score", float("-inf")))
+        self.ref_resets.evals_without_improvement = int(state.get("ref_evals_without_improvement", 0))
+        self.kl_coef.value = float(state.get("kl_coef", self.kl_coef.value))
+
+
+def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Zero the optimizer's moments and step counts in place (ProRL v1's reset with the reference): AdamW then
+    starts afresh, bias correction included. The state lives in the innermost torch optimizer: accelerate wraps it
+    once (`AcceleratedOptimizer.optimizer`), DeepSpeed ZeRO once more (its ZeRO optimizer's `.optimizer` holds the
+    fp32 partitions' state)."""
+    inner = optimizer
+    while getattr(inner, "optimizer", inner) is not inner:
+        inner = inner.optimizer
+    for state in inner.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                value.zero_()

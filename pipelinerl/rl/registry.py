@@ -1,0 +1,168 @@
+"""Where RL algorithms plug in: policy losses and advantage estimators register themselves under a name.
+
+As in verl's ``core_algos.py``, a new algorithm is one decorated function, in ``pipelinerl/rl/losses.py`` /
+``pipelinerl/rl/advantages.py`` or in a file of your own, and nothing else changes: the config validates
+``trainer.policy_loss`` / ``trainer.advantage`` against this registry, and the trainer calls every loss and every
+estimator the same way. A name of the form ``package.module:function`` imports that module first, so a recipe can
+name a function that is not part of this package (decorated or not)::
+
+    from pipelinerl.rl.registry import LossInputs, register_policy_loss
+
+    @register_policy_loss("my_loss", clip=(0.2, 0.2), aggregation="token_mean")
+    def my_loss(logprobs, inputs: LossInputs, cfg):
+        ratio = (logprobs - inputs.old_logprobs).exp()
+        loss = -(ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * inputs.advantages)
+        return loss.where(inputs.mask, 0.0), {}
+
+and ``trainer.policy_loss: my_package.my_module:my_loss`` in the recipe. Hyper-parameters of your own go in
+``trainer.policy_loss_args`` (a mapping, passed as ``cfg.policy_loss_args``).
+
+The calls:
+
+* a policy loss is ``fn(logprobs [T], inputs: LossInputs, cfg: TrainerConfig) -> (per_token_loss [T], stats)``,
+  ``logprobs`` carrying the gradient; the loss is 0 off ``inputs.mask`` and the trainer reduces it with
+  ``losses.aggregate`` as ``trainer.aggregation`` says (the loss's own default when unset);
+* an advantage estimator is ``fn(inputs: AdvantageInputs, cfg: TrainerConfig) -> advantages [N]``, one per
+  sample, which the trainer puts on every output token of the sample. A ``token_level`` estimator (GAE) is
+  computed by the trainer from per-token rewards and the critic's values instead; its ``fn`` is not called.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+AGGREGATIONS = ("token_sum_norm", "token_mean", "seq_mean")
+_BUILTIN_MODULES = ("pipelinerl.rl.losses", "pipelinerl.rl.advantages")
+
+
+@dataclass
+class LossInputs:
+    """What a policy loss sees of one packed micro-batch besides the current log-probs; every tensor is ``[T]``.
+
+    ``old_logprobs`` is the policy the trust region is taken around: the behaviour policy's (the engine's) for a
+    loss that does not need a proximal one, the proximal policy's (the trainer's weights before this batch's first
+    update) for one that does (``needs_proximal``).
+    """
+
+    mask: Tensor  # bool, True on the tokens trained on
+    advantages: Tensor
+    behav_logprobs: Tensor  # the engine's log-probs of the sampled tokens
+    old_logprobs: Tensor
+    prox_logprobs: Tensor | None  # None unless the loss needs_proximal or trainer.ppo_minibatches > 1
+    seq_ids: Tensor  # long, the sequence each token belongs to
+
+
+@dataclass
+class AdvantageInputs:
+    """One entry per sample of the whole step, ``[N]``."""
+
+    rewards: Tensor  # float; with trainer.kl_in_reward, minus kl_coef times the sample's summed KL
+    group_ids: Tensor  # long, dense labels of the prompt groups
+    lengths: Tensor  # float, the tokens of each sample that are trained on (for token-level whitening)
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    name: str
+    fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+    needs_proximal: bool = False  # ratios against the policy before the first update of the batch (AReaL)
+    clip: tuple[float, float] = (0.2, 0.28)  # default (trainer.clip_low, trainer.clip_high)
+    aggregation: str = "token_sum_norm"  # default trainer.aggregation
+
+
+@dataclass(frozen=True)
+class AdvantageSpec:
+    name: str
+    fn: Callable[..., Tensor] | None
+    token_level: bool = False  # needs the critic's per-token values (trainer.critic)
+
+
+_POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
+_ADVANTAGES: dict[str, AdvantageSpec] = {}
+
+
+def register_policy_loss(name: str, *, needs_proximal: bool = False, clip: tuple[float, float] = (0.2, 0.28),
+                         aggregation: str = "token_sum_norm") -> Callable:
+    """Decorator: make ``fn`` the policy loss ``trainer.policy_loss: name``."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"policy loss {name!r}: aggregation must be one of {', '.join(AGGREGATIONS)}")
+
+    def add(fn: Callable) -> Callable:
+        if name in _POLICY_LOSSES and _POLICY_LOSSES[name].fn is not fn:
+            raise ValueError(f"a policy loss named {name!r} is already registered ({_POLICY_LOSSES[name].fn})")
+        spec = PolicyLossSpec(name, fn, needs_proximal, tuple(clip), aggregation)
+        _POLICY_LOSSES[name] = spec
+        fn.policy_loss_spec = spec
+        return fn
+
+    return add
+
+
+def register_advantage(name: str, *, token_level: bool = False) -> Callable:
+    """Decorator: make ``fn`` the advantage estimator ``trainer.advantage: name``."""
+
+    def add(fn: Callable) -> Callable:
+        if name in _ADVANTAGES and _ADVANTAGES[name].fn is not fn:
+            raise ValueError(f"an advantage estimator named {name!r} is already registered ({_ADVANTAGES[name].fn})")
+        spec = AdvantageSpec(name, fn, token_level)
+        _ADVANTAGES[name] = spec
+        fn.advantage_spec = spec
+        return fn
+
+    return add
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def _import_dotted(name: str, kind: str) -> Any:
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise KeyError(f"{kind} {name!r}: cannot import module {module_name!r} ({e})") from None
+    if not hasattr(module, attr):
+        raise KeyError(f"{kind} {name!r}: module {module_name!r} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def policy_loss(name: str) -> PolicyLossSpec:
+    """The registered loss ``name``, or the function at ``package.module:function``. KeyError says what exists."""
+    _load_builtins()
+    if ":" in name:
+        fn = _import_dotted(name, "policy loss")
+        return getattr(fn, "policy_loss_spec", None) or PolicyLossSpec(name, fn)
+    if name not in _POLICY_LOSSES:
+        raise KeyError(f"unknown policy loss {name!r}; registered: {', '.join(sorted(_POLICY_LOSSES))} (or name "
+                       "a function as package.module:function)")
+    return _POLICY_LOSSES[name]
+
+
+def advantage(name: str) -> AdvantageSpec:
+    """The registered estimator ``name``, or the function at ``package.module:function``."""
+    _load_builtins()
+    if ":" in name:
+        fn = _import_dotted(name, "advantage estimator")
+        return getattr(fn, "advantage_spec", None) or AdvantageSpec(name, fn)
+    if name not in _ADVANTAGES:
+        raise KeyError(f"unknown advantage estimator {name!r}; registered: {', '.join(sorted(_ADVANTAGES))} (or "
+                       "name a function as package.module:function)")
+    return _ADVANTAGES[name]
+
+
+def policy_loss_names() -> list[str]:
+    _load_builtins()
+    return sorted(_POLICY_LOSSES)
+
+
+def advantage_names() -> list[str]:
+    _load_builtins()
+    return sorted(_ADVANTAGES)
