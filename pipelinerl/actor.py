@@ -3,8 +3,9 @@
 `python -m pipelinerl.actor RUN_DIR/config.yaml --engines URL[,URL]`
 
 Flow: a train problem -> one /v1/generate with n = group_size on the least-loaded engine -> the reward pool
-scores every attempt -> the whole group is appended to the samples stream (or dropped and counted when dynamic
-sampling is on and all its rewards are equal). Generation never waits for training, except where `max_lag`
+scores every attempt -> the whole group is appended to the samples stream (or, with dynamic sampling, dropped and
+counted when its attempts are all right or all wrong: see `dynamic_sampling_drop`). Generation never waits for
+training, except where `max_lag`
 says a new group would reach the trainer too stale: a group started now waits behind the samples streamed or in
 flight that the trainer has not taken yet (its control messages say how many it took), so it is trained on
 floor(queued / samples_per_step) versions after the weights the engines hold now; it may start only if that is
@@ -20,6 +21,7 @@ import logging
 import random
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from pipelinerl.config import RunConfig, load_config
@@ -35,6 +37,23 @@ from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it use
 from pipelinerl.tasks import reward_item, task_from_config
 
 log = logging.getLogger("pipelinerl.actor")
+
+
+def dynamic_sampling_drop(samples: Sequence[Sample]) -> str | None:
+    """Why dynamic sampling drops this group, "all_correct" or "all_wrong", or None to keep it.
+
+    The test is correctness (`reward_parts["correct"]`), not the shaped reward, as DAPO filters on accuracy (verl's
+    `algorithm.filter_groups.metric: acc` in its DAPO recipe keeps a group when the metric's std is > 0): a group
+    that is all wrong but whose rewards differ by a length penalty or the cosine length reward would teach only
+    "be shorter" or "be longer", with no signal about being right. A group of one is kept, as verl keeps it: there
+    is no group to compare within, and dropping every such group would starve a `group_size: 1` run.
+    """
+    if len(samples) < 2:
+        return None
+    correct = {s.reward_parts.get("correct", 0.0) > 0 for s in samples}
+    if len(correct) > 1:
+        return None
+    return "all_correct" if correct.pop() else "all_wrong"
 
 
 class Actor:
@@ -60,8 +79,9 @@ class Actor:
         self.trainer_version = 0
         self.trainer_consumed = 0  # samples the trainer has taken from the stream (its control messages say)
         self.done = False
-        self.counts = {"groups_started": 0, "groups_streamed": 0, "groups_dropped_equal_rewards": 0,
-                       "groups_failed": 0, "samples_streamed": self.streamed}
+        # groups_dropped_*: dropped by dynamic sampling (`dynamic_sampling_drop`)
+        self.counts = {"groups_started": 0, "groups_streamed": 0, "groups_dropped_all_correct": 0,
+                       "groups_dropped_all_wrong": 0, "groups_failed": 0, "samples_streamed": self.streamed}
         self.started = time.monotonic()
 
     # --- the loop --------------------------------------------------------------------------------------------
@@ -136,8 +156,13 @@ class Actor:
             self.in_flight -= g
             return
         self.in_flight -= g
-        if cfg.actor.dynamic_sampling and len({s.reward for s in samples}) == 1:
-            self.counts["groups_dropped_equal_rewards"] += 1
+        self._stream_group(samples)
+
+    def _stream_group(self, samples: list[Sample]) -> None:
+        """Append a scored group to the samples stream in one write (the trainer takes groups whole), or drop it
+        under dynamic sampling and count why."""
+        if self.cfg.actor.dynamic_sampling and (why := dynamic_sampling_drop(samples)) is not None:
+            self.counts[f"groups_dropped_{why}"] += 1
             return
         self.samples.write_many([s.model_dump() for s in samples])
         self.streamed += len(samples)

@@ -344,6 +344,8 @@ class TrainerConfig:
 class ActorConfig:
     max_lag: int = 4  # versions; 0 is synchronous RL
     concurrency: int = 32  # requests in flight per engine
+    # drop a group whose samples are all right or all wrong (`reward_parts["correct"]`, as DAPO and verl filter on
+    # accuracy): it has no correctness signal, even where length shaping makes its rewards differ
     dynamic_sampling: bool = True
 
     def __post_init__(self) -> None:
@@ -364,6 +366,9 @@ class RewardConfig:
     cosine_r_correct_long: float = 1.0
     cosine_r_wrong_short: float = -10.0
     cosine_r_wrong_long: float = 0.0
+    # what an output cut off by the length limit (finish_reason "length") gets while the cosine reward is on,
+    # right or wrong (the paper's exceed-length penalty); null: it scores by its length like any other output
+    cosine_r_exceed: Optional[float] = -10.0  # noqa: UP045 (omegaconf needs Optional)
     cosine_on_steps: int = 0  # with cosine_off_steps > 0: on for this many trainer steps, then off, repeating
     cosine_off_steps: int = 0  # 0 = the cosine reward is always on (when cosine_length is set)
 
@@ -432,6 +437,11 @@ class TaskConfig:
     # are scored as multiple choice whatever this says
     reward: str = ""
     reward_fn: str = ""  # "module:function" replacing the task's verifier (importable by the reward workers)
+    # the ORZ rules (reward orz / orz_exact, multiple choice under them): score an output that stopped inside an
+    # unclosed last <answer> block as if "</answer>" followed. Off (ORZ's rule): the engines here keep stop strings
+    # in the output (`sampling.stop`), so a stop on "</answer>" leaves it in the text; on only for outputs from an
+    # engine that drops the stop string
+    accept_unclosed_answer: bool = False
 
     def __post_init__(self) -> None:
         _check_choice(self.name, TASKS, "task.name")
@@ -447,6 +457,11 @@ class TaskConfig:
                f"must be one of {', '.join(MATH_REWARDS)} or empty, got {self.reward!r}")
         _check(self.name != "math" or len(self.train_data) > 0, "task.train_data",
                "the math task needs at least one training file or dataset name")
+        _check(not self.accept_unclosed_answer or (self.name == "math" and self.reward != "math" and
+                                                   (self.reward != "" or self.template == "orz")),
+               "task.accept_unclosed_answer", "applies to the math task's ORZ rules (task.reward orz or orz_exact, "
+               "or empty with the orz template), which need a closed <answer> block; the `math` rule takes the last "
+               "\\boxed{} anywhere. Set it false or choose an ORZ rule")
 
 
 @dataclass

@@ -2,12 +2,12 @@
 
 `python -m pipelinerl.train RUN_DIR/config.yaml --engines URL[,URL]`
 
-Each step takes the next `samples_per_step` samples in stream order (whole groups: the actor writes a group in
-one append and `samples_per_step` is a multiple of the group size), drops any whose first token is more than
-`max_lag` versions old (counted and replaced by the next samples; the actor's admission control makes this
-rare), trains, broadcasts the new weights into the running engines, and announces the new version and the count
-of samples taken on the control stream (the actor plans its lag from both). With `trainer.num_processes` > 1
-every process reads the same stream and trains on its share of each batch.
+Each step takes the next `samples_per_step` samples in stream order as whole groups (the actor writes a group in
+one append and `samples_per_step` is a multiple of the group size), drops any group with a sample whose first token
+is more than `max_lag` versions old (the whole group, counted and replaced by the next whole group; the actor's
+admission control makes this rare), trains, broadcasts the new weights into the running engines, and announces
+the new version and the count of samples taken on the control stream (the actor plans its lag from both). With
+`trainer.num_processes` > 1 every process reads the same stream and trains on its share of each batch.
 """
 
 from __future__ import annotations
@@ -36,12 +36,22 @@ log = logging.getLogger("pipelinerl.train")
 
 
 class SampleFeed:
-    """Samples in stream order, resumable by count."""
+    """Whole groups of samples in stream order, resumable by a count of samples.
+
+    A group is the `sampling.group_size` samples of one prompt, written by the actor in one append, so they are
+    contiguous in the stream and share a `group_id`. The feed hands out only whole groups, so a group is never
+    split across two steps (a split would give each part its own partial baseline, and a lone sample an advantage
+    of 0). A group that cannot be whole, fewer samples of one `group_id` followed by another (a torn write of a
+    crashed actor, or a resume from a checkpoint taken mid-group before groups were kept whole), is dropped,
+    counted in `incomplete` and logged.
+    """
 
     def __init__(self, cfg: RunConfig, skip: int):
         self.reader = open_reader(cfg.streams, cfg.run_dir, "samples")
+        self.group_size = cfg.sampling.group_size
         self.buffer: deque[dict] = deque()
-        self.consumed = 0
+        self.consumed = 0  # samples taken from the stream: trained on, dropped as stale or as incomplete groups
+        self.incomplete = 0  # samples dropped in incomplete groups
         while self.consumed < skip:  # resume: the first `skip` samples were trained on before
             self._fill(block=True)
             while self.buffer and self.consumed < skip:
@@ -57,31 +67,68 @@ class SampleFeed:
 
     def take_fresh(self, n: int, version: int, max_lag: int,
                    on_dropped: Callable[[], None] = lambda: None) -> tuple[list[Sample], int]:
-        """The next `n` samples at most `max_lag` versions behind `version`, and how many stale ones were skipped
-        on the way. A skipped sample is replaced by the next one in the stream, so every step trains on a full
-        batch (a group that finished late, behind younger ones, can be older than the actor planned).
+        """The next `n` samples (`n / group_size` whole groups) at most `max_lag` versions behind `version`, and
+        how many samples were dropped on the way.
+
+        A group is stale when any of its samples is: its lag is its oldest sample's `Sample.lag` (versions
+        between `version` and that sample's first token), the actor's own measure when it plans lag. A stale
+        group is dropped whole and replaced by the next whole group in the stream, so every step trains on a full
+        batch of whole groups (a group that finished late, behind younger ones, can be older than the actor
+        planned). Incomplete groups dropped on the way count as dropped too.
 
         `on_dropped` runs before waiting for replacements: the actor plans from the count of samples taken, and
         must hear that more are needed or it would wait for the trainer while the trainer waits for it."""
+        if n % self.group_size:
+            raise ValueError(f"take_fresh takes whole groups: {n} samples is not a multiple of sampling.group_size="
+                             f"{self.group_size} (trainer.samples_per_step must be one)")
         fresh: list[Sample] = []
         dropped = 0
         while len(fresh) < n:
-            taken = self.take_available(n - len(fresh))
-            young = [s for s in taken if s.lag(version) <= max_lag]
-            fresh += young
-            dropped += len(taken) - len(young)
-            if len(young) < len(taken) and len(fresh) < n:
+            incomplete_before = self.incomplete
+            groups = self.take_groups((n - len(fresh)) // self.group_size)
+            dropped_now = self.incomplete - incomplete_before
+            for group in groups:
+                if max(s.lag(version) for s in group) > max_lag:
+                    dropped_now += len(group)
+                else:
+                    fresh += group
+            dropped += dropped_now
+            if dropped_now and len(fresh) < n:
                 on_dropped()
         return fresh, dropped
 
-    def take_available(self, n: int) -> list[Sample]:
-        """Up to `n` samples: those in the stream now, or (if none) the first to arrive."""
-        self._fill(block=True)
-        out = []
-        while self.buffer and len(out) < n:
-            out.append(Sample.model_validate(self.buffer.popleft()))
-            self.consumed += 1
-        return out
+    def take_groups(self, max_groups: int) -> list[list[Sample]]:
+        """Up to `max_groups` whole groups: those complete in the stream now, or (if none) the first to complete."""
+        groups: list[list[Sample]] = []
+        while True:
+            self._fill(block=False)
+            while len(groups) < max_groups and (group := self._pop_group()) is not None:
+                groups.append([Sample.model_validate(record) for record in group])
+            if groups or max_groups <= 0:
+                return groups
+            time.sleep(0.02)
+
+    def _pop_group(self) -> list[dict] | None:
+        """The buffer's first group if all its samples are there, dropping incomplete groups before it; None
+        while the rest of the first group has not arrived."""
+        while self.buffer:
+            group_id = self.buffer[0]["group_id"]
+            size = 1
+            while size < min(self.group_size, len(self.buffer)) and self.buffer[size]["group_id"] == group_id:
+                size += 1
+            if size == self.group_size:
+                self.consumed += size
+                return [self.buffer.popleft() for _ in range(size)]
+            if size == len(self.buffer):
+                return None  # the group's other samples are still on their way
+            for _ in range(size):  # another group starts before this one is whole
+                self.buffer.popleft()
+            self.consumed += size
+            self.incomplete += size
+            log.warning("dropped incomplete group %s: %d of sampling.group_size=%d samples, then group %s begins (a "
+                        "torn write from a crashed actor, or a checkpoint taken mid-group)", group_id, size,
+                        self.group_size, self.buffer[0]["group_id"])
+        return None
 
 
 def batch_metrics(batch: list[Sample]) -> dict[str, float]:

@@ -14,22 +14,26 @@ import pytest
 from conftest import wait_until
 
 import pipelinerl.rewards.math as rmath
-from pipelinerl.config import RewardConfig
+from pipelinerl.config import ConfigError, RewardConfig, load_config
 from pipelinerl.rewards import (
     RewardPool,
     RewardResult,
     answers_match,
+    choice_reward,
     cosine_length_reward,
     function_ref,
     last_boxed,
     length_penalty_active,
     math_reward,
+    orz_exact_reward,
     orz_reward,
     overlong_penalty,
     shape_reward,
     truncated_zero,
 )
 from pipelinerl.samples import Sample
+from pipelinerl.tasks import reward_item
+from pipelinerl.tasks.math_data import MathTask
 
 MATH500 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "orz_eval" / "math500.json"
 
@@ -220,9 +224,55 @@ def test_orz_rule_needs_answer_tags_boxed_and_a_normal_stop():
     assert orz_reward(problem, "<answer> (3, \\pi/2) </answer>", "stop").info == "no \\boxed{} in <answer>"
     outside = "<answer> see below </answer> \\boxed{(3, \\pi/2)}"
     assert orz_reward(problem, outside, "stop").reward == 0
-    # engines that stop on "</answer>" drop it from the text; the block then runs to the end
-    assert orz_reward(problem, "<think>.</think> <answer> \\boxed{(3,\\pi/2)}", "stop").reward == 1.0
     assert orz_reward(problem, "<answer> \\boxed{(3, \\pi)} </answer>", "stop").info.startswith("wrong answer")
+
+
+UNCLOSED = "<think> r = 3 </think> <answer> \\boxed{(3, \\frac{\\pi}{2})}"
+CLOSED = UNCLOSED + " </answer>"
+
+
+def test_orz_rules_score_an_unclosed_answer_block_only_with_the_option():
+    """ORZ's rule by default (the engines here keep the stop string "</answer>"): an output that stopped inside an
+    unclosed <answer> scores 0, and 1 with `accept_unclosed_answer`; a closed block scores 1 either way. The same
+    in ORZ's own check and in multiple choice under the ORZ rule."""
+    problem = {"answer": "\\left( 3, \\frac{\\pi}{2} \\right)"}
+    strict = orz_reward(problem, UNCLOSED, "stop")
+    assert strict.reward == 0.0 and strict.info.startswith("no </answer> after the last <answer>")
+    assert orz_reward(problem, UNCLOSED, "stop", accept_unclosed_answer=True) == RewardResult(1.0, {"correct": 1.0})
+    assert orz_reward(problem, CLOSED, "stop").reward == orz_reward(problem, CLOSED, "stop", True).reward == 1.0
+    # the option closes only a block left open at the end; an output that did not stop still scores 0
+    assert orz_reward(problem, UNCLOSED, "length", accept_unclosed_answer=True).reward == 0.0
+    assert rmath.close_answer_block(CLOSED) == CLOSED and rmath.close_answer_block("no tags") == "no tags"
+
+    assert orz_exact_reward({"answer": "7"}, "<answer> \\boxed{7}", "stop").reward == 0.0
+    assert orz_exact_reward({"answer": "7"}, "<answer> \\boxed{7}", "stop", accept_unclosed_answer=True).reward == 1
+    assert orz_exact_reward({"answer": "7"}, "<answer> \\boxed{7} </answer>", "stop").reward == 1.0
+    gpqa = {"answer": "D", "choices": {"A": "1", "B": "2", "C": "3", "D": "4"}}
+    assert choice_reward(gpqa, "<answer> \\boxed{D}", "stop").reward == 0.0
+    assert choice_reward(gpqa, "<answer> \\boxed{D}", "stop", accept_unclosed_answer=True).reward == 1.0
+    assert choice_reward(gpqa, "<answer> \\boxed{D} </answer>", "stop").reward == 1.0
+
+
+def test_accept_unclosed_answer_reaches_the_pool_workers(tmp_path):
+    """`task.accept_unclosed_answer` travels on the problems to the math task's scoring function in a worker
+    process; the config refuses it where no ORZ rule reads it."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"problem": "r?", "answer": "\\left( 3, \\frac{\\pi}{2} \\right)"}) + "\n")
+    tasks = {name: MathTask(train_data=[str(data)], reward=rule, accept_unclosed_answer=accept)
+             for name, rule, accept in (("strict", "orz", False), ("open", "orz", True),
+                                        ("exact_open", "orz_exact", True))}
+    items = {name: [reward_item(task.train_problems()[0], text, "stop") for text in (UNCLOSED, CLOSED)]
+             for name, task in tasks.items()}
+    with RewardPool(workers=1, timeout_s=30) as pool:
+        rewards = {name: [r.reward for r in pool.score(tasks[name].reward_fn, items[name])] for name in tasks}
+    assert rewards == {"strict": [0.0, 1.0], "open": [1.0, 1.0], "exact_open": [1.0, 1.0]}
+
+    base = [f"run_dir={tmp_path}", "model.path=unused", "task.name=math", f"task.train_data=[{data}]"]
+    assert load_config(None, [*base, "task.accept_unclosed_answer=true"]).task.accept_unclosed_answer
+    with pytest.raises(ConfigError, match="task.accept_unclosed_answer"):
+        load_config(None, [*base, "task.accept_unclosed_answer=true", "task.reward=math"])
+    with pytest.raises(ValueError, match="accept_unclosed_answer"):
+        MathTask(train_data=[str(data)], template="boxed", accept_unclosed_answer=True)
 
 
 @pytest.mark.parametrize("gold, answer, same", [
@@ -394,3 +444,29 @@ def test_shape_reward_combines_terms_in_order():
     assert reward == pytest.approx(0.5) and parts == pytest.approx({"overlong": -0.5})
     reward, parts = shape_reward(0.0, False, 1000, "length", 1000, step=2, cfg=cfg)  # truncated: 0 at the end
     assert reward == 0.0 and parts == pytest.approx({"overlong": -1.0, "truncated": 1.0})
+
+
+def test_cosine_exceed_length_penalty():
+    """Yeo et al.'s exceed-length penalty: an output cut off by the limit gets r_exceed (-10), right or wrong,
+    instead of the cosine value of its length (0 for a wrong answer at the limit, the best a wrong one can get)."""
+    assert cosine_length_reward(False, 1000, 1000, truncated=True) == -10.0
+    assert cosine_length_reward(True, 1000, 1000, truncated=True) == -10.0
+    assert cosine_length_reward(False, 1000, 1000, truncated=True, r_exceed=-3.0) == -3.0
+    assert cosine_length_reward(False, 1000, 1000, truncated=True, r_exceed=None) == pytest.approx(0.0)
+
+    cfg = RewardConfig(cosine_length=True, cosine_on_steps=2, cosine_off_steps=2)
+    assert cfg.cosine_r_exceed == -10.0
+    reward, parts = shape_reward(0.0, False, 1000, "length", 1000, step=0, cfg=cfg)  # truncated, wrong, cosine on
+    assert reward == -10.0 and parts == {"cosine_length": -10.0}
+    reward, _ = shape_reward(0.0, False, 999, "stop", 1000, step=1, cfg=cfg)  # long but finished: about 0
+    assert reward == pytest.approx(0.0, abs=1e-3) and reward > -10.0
+    reward, _ = shape_reward(1.0, True, 1000, "length", 1000, step=1, cfg=cfg)  # truncated, right: -10 too
+    assert reward == -10.0
+    # the on/off schedule: while the cosine reward is off, a truncated output keeps its task reward
+    assert shape_reward(0.0, False, 1000, "length", 1000, step=2, cfg=cfg) == (0.0, {})
+    assert shape_reward(1.0, True, 1000, "length", 1000, step=3, cfg=cfg) == (1.0, {})
+    # null in the config: truncation is not singled out
+    off = load_config(None, ["run_dir=/tmp/unused", "model.path=unused", "reward.cosine_length=true",
+                             "reward.cosine_r_exceed=null"]).reward
+    assert off.cosine_r_exceed is None
+    assert shape_reward(0.0, False, 1000, "length", 1000, step=0, cfg=off)[0] == pytest.approx(0.0)

@@ -46,7 +46,8 @@ SAMPLED_REWRITES = {"trailing_period": 5}
 CAUSES = {
     "trailing_period": "ORZ compares numbers as floats (`float('9.') == 9`); math-verify does not read `9.` as 9.",
     "no_closing_answer_tag": "ORZ's regex needs the closing `</answer>` (ORZ keeps the stop string); the `orz` rule "
-                             "also accepts an unclosed last block, for engines that drop the stop string.",
+                             "accepts an unclosed last block only with task.accept_unclosed_answer (off here), for "
+                             "engines that drop the stop string.",
     "reordered_list": "ORZ compares lists as strings (after dropping commas and spaces): another order is wrong; "
                       "math-verify compares them as sets.",
     "last_digit": "sympy's non-strict `parse_latex` reads only a leading expression (`1,-3` as 1, `11\\sqrt3` as "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from pipelinerl.rewards.math import judged, last_boxed
+from pipelinerl.rewards.math import accepts_unclosed, close_answer_block, judged, last_boxed
 from pipelinerl.rewards.orz_exact import orz_extract
 from pipelinerl.rewards.pool import RewardResult
 
@@ -76,18 +76,20 @@ def chosen_option(answer: str, choices: dict[str, str]) -> tuple[str | None, str
     return letter, "letter"
 
 
-def choice_reward(problem: dict, completion: str, finish_reason: str, orz_rule: bool = True) -> RewardResult:
+def choice_reward(problem: dict, completion: str, finish_reason: str, orz_rule: bool = True,
+                  accept_unclosed_answer: bool = False) -> RewardResult:
     """1 when the answer picks the gold option letter `problem["answer"]` among `problem["choices"]`.
 
     `orz_rule`: ORZ's extraction and its finish_reason gate (see the module docstring); False: the last \\boxed{}
-    anywhere, whatever the finish_reason, like `math.math_reward`.
+    anywhere, whatever the finish_reason, like `math.math_reward`. `accept_unclosed_answer` (ORZ rule only): an
+    unclosed last <answer> block is read as closed at the end of the output (`math.close_answer_block`).
     """
     choices = {str(k): str(v) for k, v in problem["choices"].items()}
     gold = str(problem["answer"]).strip()
     if orz_rule:
         if finish_reason != "stop":
             return judged(False, f"did not stop: finish_reason {finish_reason!r}")
-        answer, why = orz_extract(completion)
+        answer, why = orz_extract(close_answer_block(completion) if accept_unclosed_answer else completion)
         if answer is None:
             return judged(False, why)
     else:
@@ -104,7 +106,8 @@ def choice_reward(problem: dict, completion: str, finish_reason: str, orz_rule: 
 
 def score_choice(item: dict) -> RewardResult:
     """Pool entry point: item = {"problem", "completion", "finish_reason"}; ORZ's rule unless the problem's
-    `reward_rule` is "math"."""
+    `reward_rule` is "math", and its `accept_unclosed_answer` (`math.UNCLOSED_KEY`) switches on that option."""
     problem = item["problem"]
     return choice_reward(problem, item["completion"], item["finish_reason"],
-                         orz_rule=problem.get("reward_rule") != "math")
+                         orz_rule=problem.get("reward_rule") != "math",
+                         accept_unclosed_answer=accepts_unclosed(problem))

@@ -5,6 +5,13 @@ Two rules:
 - `orz_reward`: the Open-Reasoner-Zero rule: the answer must be a \\boxed{} inside <answer>...</answer>, and the
   generation must have stopped by itself (finish_reason "stop"); a truncated output scores 0 whatever it says.
 
+An unclosed last <answer> block scores 0 under the ORZ rules (here and in `orz_exact`, `choice`), as in ORZ: its
+engine keeps the stop string "</answer>" in the output, and so do this project's engines (`sampling.stop`; the
+SGLang and vLLM fronts ask for it with `no_stop_trim` / `include_stop_str_in_output`), so an output that stopped on
+"</answer>" has it. For outputs from an engine that drops the stop string, `task.accept_unclosed_answer` scores such
+a block as if "</answer>" followed (`close_answer_block`); the math task puts the setting on every problem
+(`UNCLOSED_KEY`), which is how it reaches the pool workers with the item.
+
 Every 0 carries its reason in `RewardResult.info` ("no \\boxed{} answer", "wrong answer: ...", ...), because a
 reward curve stuck at 0 is only debuggable if you can see why.
 
@@ -69,17 +76,31 @@ def _closing_brace(text: str, start: int) -> int | None:
 
 
 def answer_block(completion: str) -> str | None:
-    """Text of the last <answer>...</answer> block.
-
-    An unclosed trailing <answer> block also counts: engines that stop on the string "</answer>" usually drop it
-    from the output, and the ORZ rule already demands finish_reason "stop".
-    """
+    """Text of the last <answer>...</answer> block; None when there is no <answer> or the last one is unclosed."""
     start = completion.rfind("<answer>")
     if start < 0:
         return None
     start += len("<answer>")
     end = completion.find("</answer>", start)
-    return completion[start:] if end < 0 else completion[start:end]
+    return None if end < 0 else completion[start:end]
+
+
+# The problem key carrying `task.accept_unclosed_answer` to the pool entry points of the ORZ rules.
+UNCLOSED_KEY = "accept_unclosed_answer"
+
+
+def close_answer_block(completion: str) -> str:
+    """`completion` with "</answer>" appended when its last <answer> block is unclosed: the text an engine that
+    keeps the stop string would have returned. Unchanged otherwise."""
+    start = completion.rfind("<answer>")
+    if start >= 0 and completion.find("</answer>", start) < 0:
+        return completion + "</answer>"
+    return completion
+
+
+def accepts_unclosed(problem: dict) -> bool:
+    """Whether `task.accept_unclosed_answer` is on for this problem (see the module docstring)."""
+    return bool(problem.get(UNCLOSED_KEY, False))
 
 
 def signal_timeout() -> int | None:
@@ -160,12 +181,21 @@ def math_reward(problem: dict, completion: str, finish_reason: str = "stop") -> 
     return judged(*answers_match(gold_answer(problem), answer))
 
 
-def orz_reward(problem: dict, completion: str, finish_reason: str) -> RewardResult:
-    """Open-Reasoner-Zero: reward only a correct \\boxed{} inside <answer>...</answer> of an output that stopped."""
+def orz_reward(problem: dict, completion: str, finish_reason: str,
+               accept_unclosed_answer: bool = False) -> RewardResult:
+    """Open-Reasoner-Zero: reward only a correct \\boxed{} inside <answer>...</answer> of an output that stopped.
+
+    `accept_unclosed_answer`: an unclosed last <answer> block counts as closed at the end of the output (for an
+    engine that drops the stop string "</answer>"); off, such a block scores 0, as in ORZ."""
     if finish_reason != "stop":
         return judged(False, f"did not stop: finish_reason {finish_reason!r}")
+    if accept_unclosed_answer:
+        completion = close_answer_block(completion)
     block = answer_block(completion)
     if block is None:
+        if "<answer>" in completion:
+            return judged(False, "no </answer> after the last <answer> (an engine that drops the stop string "
+                                 "needs task.accept_unclosed_answer)")
         return judged(False, "no <answer> block")
     answer = last_boxed(block)
     if answer is None:
@@ -179,8 +209,10 @@ def score_math(item: dict) -> RewardResult:
 
 
 def score_orz(item: dict) -> RewardResult:
-    """Pool entry point for `orz_reward`: item = {"problem", "completion", "finish_reason"}."""
-    return orz_reward(item["problem"], item["completion"], item["finish_reason"])
+    """Pool entry point for `orz_reward`: item = {"problem", "completion", "finish_reason"}; the problem's
+    `accept_unclosed_answer` (`UNCLOSED_KEY`) switches on the option of that name."""
+    return orz_reward(item["problem"], item["completion"], item["finish_reason"],
+                      accept_unclosed_answer=accepts_unclosed(item["problem"]))
 
 
 def _warmup() -> None:

@@ -50,7 +50,7 @@ import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pipelinerl.rewards.math import judged, shorten, signal_timeout
+from pipelinerl.rewards.math import accepts_unclosed, close_answer_block, judged, shorten, signal_timeout
 from pipelinerl.rewards.pool import RewardResult
 
 # ORZ waits 1 s for the symbolic stage (asyncio.wait_for around it) and counts a late answer as wrong.
@@ -388,12 +388,14 @@ def orz_answers_equal(gold: str, answer: str, timeout_s: float = ORZ_SYMPY_TIMEO
         return False, f"sympy timeout after {timeout_s:g} s: {shorten(answer)!r}"
 
 
-def orz_exact_reward(problem: dict, completion: str, finish_reason: str) -> RewardResult:
+def orz_exact_reward(problem: dict, completion: str, finish_reason: str,
+                     accept_unclosed_answer: bool = False) -> RewardResult:
     """1 when an output that stopped has ORZ's answer equal to `problem["answer"]` under ORZ's check, else 0 with
-    the reason in `info`."""
+    the reason in `info`. `accept_unclosed_answer` (not ORZ's rule; for an engine that drops the stop string): an
+    unclosed last <answer> block is read as closed at the end of the output (`math.close_answer_block`)."""
     if finish_reason != "stop":
         return judged(False, f"did not stop: finish_reason {finish_reason!r}")
-    answer, why = orz_extract(completion)
+    answer, why = orz_extract(close_answer_block(completion) if accept_unclosed_answer else completion)
     if answer is None:
         return judged(False, why)
     if not answer.strip():
@@ -402,8 +404,10 @@ def orz_exact_reward(problem: dict, completion: str, finish_reason: str) -> Rewa
 
 
 def score_orz_exact(item: dict) -> RewardResult:
-    """Pool entry point for `orz_exact_reward`: item = {"problem", "completion", "finish_reason"}."""
-    return orz_exact_reward(item["problem"], item["completion"], item["finish_reason"])
+    """Pool entry point for `orz_exact_reward`: item = {"problem", "completion", "finish_reason"}; the problem's
+    `accept_unclosed_answer` (`math.UNCLOSED_KEY`) switches on the option of that name."""
+    return orz_exact_reward(item["problem"], item["completion"], item["finish_reason"],
+                            accept_unclosed_answer=accepts_unclosed(item["problem"]))
 
 
 def warmup() -> None:

@@ -4,7 +4,9 @@
   limit lose reward linearly, so the model learns to finish before the hard cut instead of being cut off.
 - `cosine_length_reward`: the cosine length-scaled reward (Yeo et al. 2025, "Demystifying Long Chain-of-Thought
   Reasoning in LLMs"; used with an on/off schedule in ProRL v2): correct answers earn more when short, wrong
-  answers are punished less when long (so the model keeps thinking when it is unsure).
+  answers are punished less when long (so the model keeps thinking when it is unsure), and an output cut off by
+  the length limit gets the exceed-length penalty instead (-10 in the paper), so running into the limit is never
+  the best a wrong answer can do.
 - `length_penalty_active`: ProRL v2 switches the length penalty on and off in periods, alternating compression
   with free exploration.
 - `truncated_zero`: the Open-Reasoner-Zero rule that an output cut off by the length limit earns nothing.
@@ -40,8 +42,20 @@ def cosine_interpolate(length: int, max_len: int, value_at_zero: float, value_at
 
 def cosine_length_reward(correct: bool, length: int, max_len: int, r_correct_short: float = 2.0,
                          r_correct_long: float = 1.0, r_wrong_short: float = -10.0,
-                         r_wrong_long: float = 0.0) -> float:
-    """The cosine length-scaled reward; defaults are the paper's (r0c=2, rLc=1, r0w=-10, rLw=0)."""
+                         r_wrong_long: float = 0.0, truncated: bool = False,
+                         r_exceed: float | None = -10.0) -> float:
+    """The cosine length-scaled reward; defaults are the paper's (r0c=2, rLc=1, r0w=-10, rLw=0, r_exceed=-10).
+
+    A `truncated` output (one that hit the length limit) gets `r_exceed` whether or not its answer was right, as
+    in the paper's code (eddycmu/demystify-long-cot, `openrlhf/openrlhf/reward/cosine.py`: the exceed value
+    replaces the cosine value, checked before correctness; its scripts pass `--math_rule_common_exceed_length -10`).
+    Without it a truncated wrong answer would earn r_wrong_long, the best a wrong answer can get, and the policy
+    would learn to run into the limit. The paper's code recognises truncation by length (within 16 tokens of the
+    limit); here it is the engine's finish_reason "length", which says so exactly. `r_exceed=None` switches the
+    penalty off: a truncated output then scores by its length like any other.
+    """
+    if truncated and r_exceed is not None:
+        return r_exceed
     if correct:
         return cosine_interpolate(length, max_len, r_correct_short, r_correct_long)
     return cosine_interpolate(length, max_len, r_wrong_short, r_wrong_long)
@@ -68,13 +82,14 @@ def shape_reward(reward: float, correct: bool, length: int, finish_reason: str, 
                  cfg: RewardConfig) -> tuple[float, dict[str, float]]:
     """The scored reward shaped as `cfg` asks; returns (reward, parts), parts naming each applied term.
 
-    Order: the cosine length reward (when on) replaces the task reward, the overlong penalty is added, and
-    `truncated_zero` has the last word.
+    Order: the cosine length reward (when on; with its exceed-length penalty for a truncated output) replaces the
+    task reward, the overlong penalty is added, and `truncated_zero` has the last word.
     """
     parts: dict[str, float] = {}
     if cfg.cosine_length and length_penalty_active(step, cfg.cosine_on_steps, cfg.cosine_off_steps):
         shaped = cosine_length_reward(correct, length, max_len, cfg.cosine_r_correct_short,
-                                      cfg.cosine_r_correct_long, cfg.cosine_r_wrong_short, cfg.cosine_r_wrong_long)
+                                      cfg.cosine_r_correct_long, cfg.cosine_r_wrong_short, cfg.cosine_r_wrong_long,
+                                      truncated=finish_reason == TRUNCATED, r_exceed=cfg.cosine_r_exceed)
         parts["cosine_length"] = shaped - reward
         reward = shaped
     if cfg.overlong_buffer > 0:

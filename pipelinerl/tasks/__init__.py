@@ -47,5 +47,5 @@ def task_from_config(cfg: TaskConfig) -> Task:
                         num_eval=cfg.num_eval, seed=cfg.seed, reverse=cfg.reverse)
     if cfg.name == "math":
         return get_task("math", train_data=list(cfg.train_data), eval_data=list(cfg.eval_data),
-                        template=cfg.template, reward=cfg.reward)
+                        template=cfg.template, reward=cfg.reward, accept_unclosed_answer=cfg.accept_unclosed_answer)
     return get_task(cfg.name)

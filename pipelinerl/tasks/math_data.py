@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelinerl.rewards.choice import is_choice_problem, score_choice
-from pipelinerl.rewards.math import last_boxed, score_math, score_orz
+from pipelinerl.rewards.math import UNCLOSED_KEY, last_boxed, score_math, score_orz
 from pipelinerl.rewards.orz_exact import score_orz_exact
 from pipelinerl.rewards.pool import RewardResult
 
@@ -176,13 +176,16 @@ def load_problems(source: str) -> list[dict]:
 @dataclass
 class MathTask:
     """Math problems from `train_data` / `eval_data` sources, prompted with `template` ("orz", "boxed", "plain")
-    and scored by `reward` ("math": last \\boxed{}; "orz": the ORZ rule; empty: orz for the orz template)."""
+    and scored by `reward` ("math": last \\boxed{}; "orz": the ORZ rule; empty: orz for the orz template).
+    `accept_unclosed_answer` (ORZ rules only) is put on every problem, so the scoring function in a pool worker
+    sees it with the item (see `pipelinerl.rewards.math`)."""
 
     train_data: list[str] = field(default_factory=list)
     eval_data: list[str] = field(default_factory=list)
     template: str = "orz"
     reward: str = ""
     name: str = "math"
+    accept_unclosed_answer: bool = False
     reward_fn: Callable[[dict], Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -191,6 +194,9 @@ class MathTask:
         self.rule = self.reward or ("orz" if self.template == "orz" else "math")
         if self.rule not in REWARDS:
             raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+        if self.accept_unclosed_answer and self.rule == "math":
+            raise ValueError("accept_unclosed_answer applies to the ORZ rules (orz, orz_exact); the math rule has no "
+                             "<answer> block")
         self.reward_fn = score_math_task
         self._cache: dict[str, list[dict]] = {}
 
@@ -198,7 +204,8 @@ class MathTask:
         out = []
         for source in sources:
             if source not in self._cache:
-                self._cache[source] = [{**p, "reward_rule": self.rule} for p in load_problems(source)]
+                options = {"reward_rule": self.rule, **({UNCLOSED_KEY: True} if self.accept_unclosed_answer else {})}
+                self._cache[source] = [{**p, **options} for p in load_problems(source)]
             out.extend(self._cache[source])
         return out
 

@@ -1,0 +1,58 @@
+"""Dynamic sampling in the actor: groups are kept or dropped by correctness, not by the shaped reward."""
+
+import json
+
+from pipelinerl.actor import Actor, dynamic_sampling_drop
+from pipelinerl.config import load_config
+from pipelinerl.contracts.inference import Completion
+from pipelinerl.rewards import RewardResult
+from pipelinerl.samples import Sample
+from pipelinerl.streams import open_reader
+
+
+def scored(correct: bool, reward: float) -> Sample:
+    return Sample(group_id="g", prompt_token_ids=[1], output_token_ids=[2], behav_logprobs=[-0.1], versions=[0],
+                  finish_reason="stop", reward=reward, reward_parts={"correct": float(correct)})
+
+
+def test_the_decision_reads_correctness():
+    # all wrong, rewards spread by a length penalty: nothing to learn about being right
+    assert dynamic_sampling_drop([scored(False, -0.1), scored(False, -0.7), scored(False, 0.0)]) == "all_wrong"
+    assert dynamic_sampling_drop([scored(True, 1.9), scored(True, 1.2)]) == "all_correct"
+    # mixed correctness is kept, even where shaping gave a right and a wrong answer the same reward
+    assert dynamic_sampling_drop([scored(True, 0.0), scored(False, 0.0)]) is None
+    assert dynamic_sampling_drop([scored(False, 0.0)]) is None  # a group of one: nothing to compare within
+
+
+def completion(length: int, finish_reason: str = "stop") -> Completion:
+    return Completion(token_ids=[5] * length, logprobs=[-0.5] * length, versions=[0] * length,
+                      finish_reason=finish_reason)
+
+
+def test_actor_drops_groups_without_a_correctness_signal(tmp_path, tiny_model_dir):
+    """Through the actor's own scoring (`_sample`, which shapes the reward) and streaming (`_stream_group`): an
+    all-wrong group whose shaped rewards differ by length is dropped and counted; a mixed group is streamed whole."""
+    cfg = load_config(None, [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "sampling.group_size=3",
+                             "trainer.samples_per_step=3", "sampling.max_new_tokens=100", "reward.overlong_buffer=50",
+                             "actor.dynamic_sampling=true"])
+    actor = Actor(cfg, [])
+    wrong, right = RewardResult(0.0, {"correct": 0.0}), RewardResult(1.0, {"correct": 1.0})
+
+    def group(name: str, outcomes: list[tuple[int, RewardResult]]) -> list[Sample]:
+        return [actor._sample(name, [1, 2], completion(n), r, {}) for n, r in outcomes]
+
+    all_wrong = group("wrong", [(10, wrong), (75, wrong), (100, wrong)])
+    assert len({s.reward for s in all_wrong}) == 3  # the overlong penalty makes the rewards differ
+    actor._stream_group(all_wrong)
+    all_right = group("right", [(10, right), (20, right), (30, right)])
+    actor._stream_group(all_right)
+    mixed = group("mixed", [(10, right), (90, wrong), (100, wrong)])
+    actor._stream_group(mixed)
+    actor.samples.close()
+
+    streamed = [Sample.model_validate(r) for r in open_reader(cfg.streams, tmp_path, "samples").read()]
+    assert [s.group_id for s in streamed] == ["mixed"] * 3
+    assert [s.reward_parts["correct"] for s in streamed] == [1.0, 0.0, 0.0]
+    assert actor.counts["groups_dropped_all_wrong"] == actor.counts["groups_dropped_all_correct"] == 1
+    assert actor.counts["groups_streamed"] == 1 and actor.streamed == 3
+    assert json.loads(actor.state_path.read_text())["streamed_samples"] == 3
