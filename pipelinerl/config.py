@@ -153,7 +153,9 @@ class CriticConfig:
     scalar head, trained on the returns with its own AdamW."""
 
     lr: float = 5e-6  # ORZ critic_learning_rate
-    updates: int = 1  # optimizer updates per batch, each on 1/updates of it (ORZ critic_update_steps: 12)
+    # optimizer updates per batch: one pass over it in this many parts (ORZ critic_update_steps: 12); each trainer
+    # rank splits its own share of the batch
+    updates: int = 1
     value_clip: Optional[float] = 0.2  # noqa: UP045 (values kept within this of the pre-update ones; unset: off)
     gamma: float = 1.0  # GAE discount (ORZ: 1)
     lam: float = 1.0  # GAE lambda (ORZ: 1)

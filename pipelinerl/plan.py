@@ -404,6 +404,18 @@ def trainer_memory(shape: ModelShape, cfg: RunConfig, sharding: Sharding, main: 
             state.append(line)
     if t.kl_coef > 0:
         state.append(Line("KL reference", N * wb, f"whole copy in {cfg.model.dtype} on every rank"))
+    from pipelinerl.rl import registry  # imports torch: only once a plan is made, as the config's own check does
+
+    if registry.advantage(t.advantage).token_level:  # PPO with a critic (trainer/critic.py): sharded as the policy
+        # the value model is the policy's base with a 1-wide head: no LM head unless it is tied to the embedding
+        critic_params = N - (0 if shape.tie_word_embeddings else shape.embedding_params)
+        scale = critic_params / N
+        kept = sum(line.bytes for line in state[:3])
+        moved = sum(line.bytes for line in host)
+        state.append(Line("critic", int(kept * scale), "value model: parameters, gradients and optimizer as the "
+                                                        "policy's, without the LM head"))
+        if moved:
+            host.append(Line("critic", int(moved * scale), "the critic's offloaded share, as the policy's"))
 
     # training working set
     eager = t.attn_implementation == "eager"

@@ -28,6 +28,12 @@ def test_gpu_recipes_use_orz_settings(name):
         1e-6, 50, "constant", [0.9, 0.95], 0.0, 1.0)
     assert (t.samples_per_step, cfg.sampling.group_size, cfg.sampling.max_new_tokens) == (8192, 64, 8000)
     assert t.kl_coef == 0 and cfg.sampling.temperature == t.temperature == 1.0
+    # ORZ's method: PPO-clip 0.2 with a critic (lr 5e-6, 12 updates a batch, value clip 0.2), GAE(1, 1), normalised
+    # advantages, one policy update a batch, every group trained on
+    assert (t.policy_loss, t.clip_low, t.clip_high, t.advantage, t.ppo_minibatches) == ("ppo_clip", 0.2, 0.2, "gae", 1)
+    c = t.critic
+    assert (c.lr, c.updates, c.value_clip, c.gamma, c.lam, c.whiten_advantages) == (5e-6, 12, 0.2, 1.0, 1.0, True)
+    assert not cfg.actor.dynamic_sampling
     assert cfg.model.dtype == "bfloat16" and cfg.resources.gpus_per_node >= 1
     assert {Path(p).stem for p in cfg.task.eval_data} == {"aime2024", "aime2025", "math500", "gpqa_diamond"}
     assert t.micro_batch_tokens >= cfg.engine.max_model_len > 2048 + cfg.sampling.max_new_tokens - 1

@@ -71,7 +71,7 @@ def test_parameter_count_matches_transformers_for_an_odd_shape(tmp_path):
 
 
 def test_zero3_trainer_on_four_gpus_by_hand():
-    cfg = recipe("orz_7b.yaml")
+    cfg = recipe("orz_7b.yaml", "trainer.advantage=grpo")  # the policy alone; the critic's share: the next test
     sharding = detect_sharding(cfg)
     assert sharding == Sharding("zero3", 4, source=sharding.source)
     main = trainer_memory(known_shape("Qwen/Qwen2.5-7B"), cfg, sharding, main=True)
@@ -99,6 +99,21 @@ def test_zero3_trainer_on_four_gpus_by_hand():
     assert other.broadcast_bytes == embedding
     assert main.total == N_7B * 16 // 4 + max(main.training_bytes, main.broadcast_bytes) + 3 * GIB
     assert round(main.total / GIB, 1) == 40.8
+
+
+def test_the_critic_adds_the_base_models_sharded_state():
+    """recipes/orz_7b.yaml trains a critic (PPO with GAE, as ORZ): parameters, gradients and optimizer state once
+    more, for the base model without its (untied) LM head, sharded as the policy's; its working set comes after
+    the policy's, so only the state adds up."""
+    shape = known_shape("Qwen/Qwen2.5-7B")
+    with_critic = trainer_memory(shape, recipe("orz_7b.yaml"), detect_sharding(recipe("orz_7b.yaml")))
+    alone = trainer_memory(shape, recipe("orz_7b.yaml", "trainer.advantage=grpo"),
+                           detect_sharding(recipe("orz_7b.yaml")))
+    critic = with_critic.state[-1]
+    assert critic.what == "critic" and critic.bytes == int(N_7B * 16 // 4 * (N_7B - V * H) / N_7B)
+    assert with_critic.state_bytes == alone.state_bytes + critic.bytes
+    assert with_critic.training_bytes == alone.training_bytes
+    assert round(with_critic.total / GIB, 1) == 67.1  # of 80: still fits
 
 
 def test_engine_kv_room_on_an_80_gib_gpu_by_hand():
@@ -223,7 +238,7 @@ def test_sharding_is_read_from_the_accelerate_and_deepspeed_configs(tmp_path):
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
     yaml = tmp_path / "offload.yaml"
     yaml.write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {ds}\n")
-    cfg = recipe("orz_7b.yaml", f"trainer.accelerate_config={yaml}")
+    cfg = recipe("orz_7b.yaml", f"trainer.accelerate_config={yaml}", "trainer.advantage=grpo")
     sharding = detect_sharding(cfg)
     assert (sharding.kind, sharding.offload_optimizer, sharding.offload_params) == ("zero3", True, False)
     main = trainer_memory(known_shape("Qwen/Qwen2.5-7B"), cfg, sharding)
@@ -258,7 +273,7 @@ def test_orz_1gpu_fits_with_trainer_and_engine_on_one_gpu():
 
 
 def test_the_table_shows_one_decimal_gib():
-    cfg = recipe("orz_7b.yaml")
+    cfg = recipe("orz_7b.yaml", "trainer.advantage=grpo")
     text = format_plan(make_plan(cfg, Cluster(1, 8, 80)), cfg, "recipes/orz_7b.yaml")
     assert "40.8" in text and "54.1" in text and "99 sequences of 10240" in text
 

@@ -20,7 +20,7 @@ import torch
 from conftest import running_engine
 from safetensors.torch import load_file
 
-from pipelinerl.config import TrainerConfig, WeightSyncConfig
+from pipelinerl.config import CriticConfig, TrainerConfig, WeightSyncConfig
 from pipelinerl.engines.embedded.engine import tensor_checksums
 from pipelinerl.procs import free_port, tail
 from pipelinerl.samples import Sample
@@ -38,6 +38,13 @@ def trainer_cfg() -> TrainerConfig:
     return TrainerConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, schedule="cosine", max_steps=6,
                          samples_per_step=4, micro_batch_tokens=12, kl_coef=0.05, ref_reset_every=2,
                          policy_loss="decoupled_ppo", temperature=0.7)
+
+
+def critic_cfg() -> TrainerConfig:
+    """PPO with a critic (ORZ's method, as recipes/orz_7b.yaml runs it under ZeRO-3). One critic update a step:
+    with more, each rank splits its own share of the batch, so the updates see other subsets than one process's."""
+    return TrainerConfig(lr=3e-3, samples_per_step=4, micro_batch_tokens=12, policy_loss="ppo_clip",
+                         advantage="gae", critic=CriticConfig(lr=1e-2, updates=1))
 
 
 def sample(group: str, prompt: list[int], output: list[int], reward: float, version: int = 0) -> Sample:
@@ -68,9 +75,9 @@ def unsharded(tiny_model_dir):
 def run_sharded(mode: str, model_dir: Path, engine_url: str, tmp_path: Path) -> dict:
     out = tmp_path / "sharded.pt"
     script = [str(Path(__file__).resolve()), mode, str(model_dir), engine_url, str(out)]
-    if mode.startswith(("deepspeed", "memory-deepspeed")):
+    if mode.startswith(("deepspeed", "memory-deepspeed", "critic-deepspeed")):
         config = {"deepspeed": "deepspeed_zero3.yaml", "deepspeed_offload": "deepspeed_zero3_offload.yaml",
-                  "memory-deepspeed": "deepspeed_zero3.yaml"}[mode]
+                  "memory-deepspeed": "deepspeed_zero3.yaml", "critic-deepspeed": "deepspeed_zero3.yaml"}[mode]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                f"launch/accelerate/{config}", "--num_processes", "2", "--main_process_port",
                str(free_port()), *script]
@@ -158,6 +165,23 @@ def test_fsdp2_on_cpu_matches_unsharded_and_reaches_engine(tiny_model_dir, engin
     got = run_sharded("fsdp", tiny_model_dir, engine.url, tmp_path)
     assert got["distributed_type"] == "FSDP"
     check_against_unsharded(got, unsharded, engine)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (pip install deepspeed; the `gpu` extra has it)")
+def test_ppo_with_a_critic_under_deepspeed_zero3_matches_unsharded(tiny_model_dir, tmp_path):
+    """The critic is prepared as a second DeepSpeed engine beside the policy's, sharded the same way: its stats
+    match one process's, and a checkpoint brings both models back exactly."""
+    got = run_sharded("critic-deepspeed", tiny_model_dir, "", tmp_path)
+    assert got["is_zero3"] and got["critic_local_numel"] < got["critic_full_numel"]
+    trainer = Trainer(str(tiny_model_dir), critic_cfg(), seed=1)
+    want = [trainer.optimizer_step(toy_batch(i)) for i in range(STEPS)]
+    for got_step, want_step in zip(got["stats"], want, strict=True):
+        for key in ("loss", "grad_norm", "critic_loss", "critic_explained_var", "critic_grad_norm", "adv_std"):
+            assert got_step[key] == pytest.approx(want_step[key], rel=1e-4, abs=1e-6), key
+    assert got["stats"][-1]["critic_updates_applied"] == 1
+    for key in ("loss", "grad_norm", "critic_loss", "critic_grad_norm"):
+        assert got["resumed"][key] == got["next"][key], key
 
 
 # A model of 126 MB in float32 (8 layers of hidden 512, no tensor above 4 MB) broadcast in 4 MB buckets.
@@ -292,6 +316,9 @@ def worker(mode: str, model_dir: str, engine_url: str, out: str) -> None:
     if mode.startswith("memory-"):
         memory_worker(mode.removeprefix("memory-"), model_dir, engine_url, out)
         return
+    if mode.startswith("critic-"):
+        critic_worker(model_dir, out)
+        return
     accelerator = fsdp_accelerator_on_cpu() if mode == "fsdp" else None  # deepspeed: make_accelerator's own
     trainer = Trainer(model_dir, trainer_cfg(), WeightSyncConfig(timeout_s=60), seed=1, accelerator=accelerator)
     stats = [trainer.optimizer_step(toy_batch(i)) for i in range(STEPS)]
@@ -321,6 +348,24 @@ def worker(mode: str, model_dir: str, engine_url: str, out: str) -> None:
                     "export": str(work / "export"), "restored": restored, "next": (next_stats, next_params),
                     "resumed": (resumed_stats, resumed_params)}, out)
         group.destroy()
+    trainer.close()
+
+
+def critic_worker(model_dir: str, out: str) -> None:
+    """PPO with a critic under ZeRO-3: STEPS steps, a checkpoint, one more step, then back to the checkpoint and
+    that step again."""
+    trainer = Trainer(model_dir, critic_cfg(), seed=1)
+    stats = [trainer.optimizer_step(toy_batch(i)) for i in range(STEPS)]
+    work = Path(out).parent
+    save_checkpoint(trainer, checkpoint_dir(work, STEPS))
+    next_stats = trainer.optimizer_step(toy_batch(STEPS))
+    load_checkpoint(trainer, checkpoint_dir(work, STEPS))
+    resumed_stats = trainer.optimizer_step(toy_batch(STEPS))
+    critic_shards = sum(local_numel(p) for p in trainer.critic.model.parameters())
+    critic_full = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in trainer.critic.model.parameters())
+    if trainer.accelerator.is_main_process:
+        torch.save({"stats": stats, "next": next_stats, "resumed": resumed_stats, "is_zero3": trainer.is_zero3,
+                    "critic_local_numel": critic_shards, "critic_full_numel": critic_full}, out)
     trainer.close()
 
 

@@ -47,6 +47,7 @@ from pipelinerl.rl.packing import (
 )
 from pipelinerl.rl.registry import LossInputs
 from pipelinerl.samples import Sample
+from pipelinerl.trainer import update
 from pipelinerl.trainer.batch import (
     MicroBatch,
     Minibatch,
@@ -57,6 +58,7 @@ from pipelinerl.trainer.batch import (
     sample_advantages,
     set_sample_advantages,
 )
+from pipelinerl.trainer.critic import Critic
 from pipelinerl.trainer.optim import build_optimizer, build_scheduler
 from pipelinerl.trainer.publisher import WeightPublisher
 from pipelinerl.weight_sync import DTYPES, WeightUpdateGroup
@@ -162,7 +164,10 @@ class Trainer:
                                                patience=c.ref_reset_patience or None)
         self.kl_coef = KLCoefficient(c.kl_coef, c.kl_schedule, c.kl_coef_end, c.kl_schedule_steps, c.kl_target,
                                      c.kl_horizon)
-        self.critic = None
+        # PPO with a value model (an advantage estimator with token_level=True, i.e. gae): prepared after the policy
+        # so accelerate's checkpoints list the policy first, as older checkpoints have it
+        self.critic = (Critic(self.model_path, self.cfg, self.accelerator, self.attn_implementation)
+                       if self.adv_spec.token_level else None)
         self._version = 0
         self.step = 0  # optimizer_step calls, skipped ones included
 
@@ -293,6 +298,8 @@ class Trainer:
         if self.ref_model is not None:
             self._add_logprobs(self.ref_model, every_mb, "ref_logprobs", "auto")
             self._add_kl(every_mb)
+        if self.critic is not None:
+            self.critic.add_values(every_mb)
         self._set_advantages(step, every_mb, kl_coef)
 
         sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64, device=acc.device)
@@ -324,7 +331,7 @@ class Trainer:
         w_max = self._all_reduce(w_max, dist.ReduceOp.MAX)
         totals = dict(zip(_SUM_KEYS, sums.tolist()))
         totals["loss"] /= len(minibatches)  # each minibatch's loss is a mean over its own samples or tokens
-        critic_stats = self._update_critic(step) if self.critic is not None else {}
+        critic_stats = self.critic.update(every_mb) if self.critic is not None else {}
 
         applied = applied_updates > 0
         self.step += 1
@@ -389,7 +396,11 @@ class Trainer:
             kl_sums = self._per_sample_sums(step, micro_batches, "kl_behav")
             step.extra["kl_penalty_mean"] = float(kl_coef * kl_sums.mean())
         if self.adv_spec.token_level:
-            step.advantages = self.critic.set_gae_advantages(step, micro_batches, kl_coef if cfg.kl_in_reward else 0.0)
+            step.extra.update(self.critic.set_gae_advantages(step, micro_batches,
+                                                             kl_coef if cfg.kl_in_reward else 0.0))
+            # per-sample stats (adv_mean, adv_std) take each sample's mean advantage over its trained tokens
+            sums = self._per_sample_sums(step, micro_batches, "advantages")
+            step.advantages = (sums / step.trained_tokens.to(sums).clamp(min=1)).to(torch.float32)
             return
         if kl_sums is not None:
             rewards = rewards - kl_coef * kl_sums
@@ -462,17 +473,10 @@ class Trainer:
         return self.loss_spec.fn(logprobs, inputs, self.cfg)
 
     def _no_grad_sync_unless(self, last: bool) -> contextlib.AbstractContextManager:
-        """Gradients are all-reduced once, after the last micro-batch (DeepSpeed decides this itself)."""
-        if last or self.is_deepspeed:
-            return contextlib.nullcontext()
-        return self.accelerator.no_sync(self.model)
+        return update.no_grad_sync_unless(self.accelerator, self.model, last)
 
     def _backward(self, loss: Tensor, last: bool) -> None:
-        if self.is_deepspeed:  # the engine accumulates until we declare the boundary
-            self.model.set_gradient_accumulation_boundary(last)
-            self.model.backward(loss)
-        else:
-            self.accelerator.backward(loss)
+        update.backward(self.accelerator, self.model, loss, last)
 
     def _all_reduce(self, t: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
         if self.accelerator.num_processes > 1:
@@ -482,23 +486,11 @@ class Trainer:
     def _apply_update(self, loss_finite: bool) -> tuple[bool, float]:
         """Clip, check, step the optimizer (the scheduler steps once per batch, in `optimizer_step`): (applied,
         pre-clip gradient norm). Nothing changes when it is not applied."""
-        if self.is_deepspeed:
-            # DeepSpeed clips and steps inside engine.step and skips a step whose gradients overflowed.
-            self.model.step()
-            grad_norm = self.model.get_global_grad_norm()
-            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            applied = bool(self.model.was_step_applied())
-            if applied and not loss_finite:
-                log.error("DeepSpeed applied a step whose loss was not finite")
-            return applied, grad_norm
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
-        if not (loss_finite and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            return False, grad_norm
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return True, grad_norm
+        applied, grad_norm = update.apply_update(self.accelerator, self.model, self.optimizer, self.cfg.grad_clip,
+                                                 loss_finite)
+        if self.is_deepspeed and applied and not loss_finite:
+            log.error("DeepSpeed applied a step whose loss was not finite")
+        return applied, grad_norm
 
     def _maybe_reset_reference(self, kl: float) -> bool:
         """ProRL: the KL reference becomes the current policy every `ref_reset_every` versions, when the step's KL
