@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
 include launch/vllm_install.mk
 
-.PHONY: install run compare test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
+.PHONY: install run compare compare-algorithms test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -77,6 +77,10 @@ run-32b:
 # wall-clock time and samples, in bench/results/tiny_sync_vs_pipelined.png.
 compare: $(STAMP)
 	$(BIN)/python -m bench.pipeline_vs_sync --compare
+
+# every RL algorithm on the tiny recipe, side by side (docs/algorithms.md)
+compare-algorithms: $(STAMP)
+	$(BIN)/python -m bench.algorithms
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -27,22 +27,3 @@ def test_tiny_recipe_learns(tmp_path):
     assert 0 < before < 0.5, "the warm-up should leave a low but non-zero success rate"
     assert after > before + 0.05, f"held-out pass@1 {before:.3f} -> {after:.3f}"
     assert "held-out pass@1" in r.stdout and (run_dir / "curves_time.png").exists()
-
-
-@pytest.mark.slow
-def test_tiny_recipe_learns_with_ppo_and_a_critic(tmp_path):
-    """ORZ's method (PPO-clip, a critic, GAE with gamma = lambda = 1, batch-normalised advantages) on the tiny
-    task: held-out accuracy rises, and the critic trains every step. (On this task the critic learns little beyond
-    the mean return: its explained variance stays near 0; see docs/algorithms.md.)"""
-    run_dir = tmp_path / "tiny_gae"
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(ROOT / "recipes" / "tiny_cpu.yaml"),
-           f"run_dir={run_dir}", "trainer.max_steps=150", "trainer.eval_every=150", "trainer.advantage=gae",
-           "trainer.critic.lr=1e-4", "trainer.critic.updates=4"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [e["eval_accuracy"] for e in rows if "eval_accuracy" in e]
-    assert evals[-1] > evals[0] + 0.05, f"held-out pass@1 {evals[0]:.3f} -> {evals[-1]:.3f}"
-    steps = [e for e in rows if "critic_loss" in e]
-    assert len(steps) == 150 and all(e["critic_updates_applied"] == 4 for e in steps)

@@ -115,6 +115,8 @@ class Critic:
                 whitened = (f["advantages"] - mean) / (math.sqrt(var) + 1e-8)
                 f["advantages"] = torch.where(f["loss_mask"], whitened, torch.zeros_like(whitened))
         return {"critic_returns_mean": ret_sum / n,
+                # the critic loss of values that only know the mean return is 0.5 * this
+                "critic_returns_var": ret_var,
                 # 1 - Var(R - V) / Var(R): the share of the returns' variance the values explain (1 is perfect)
                 "critic_explained_var": 1.0 - err_var / ret_var if ret_var > 0 else 0.0}
 
