@@ -21,6 +21,7 @@ import logging
 import random
 import signal
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -83,6 +84,7 @@ class Actor:
         self.counts = {"groups_started": 0, "groups_streamed": 0, "groups_dropped_all_correct": 0,
                        "groups_dropped_all_wrong": 0, "groups_failed": 0, "samples_streamed": self.streamed}
         self.started = time.monotonic()
+        self.launch_id = uuid.uuid4().hex[:8]
 
     # --- the loop --------------------------------------------------------------------------------------------
 
@@ -90,7 +92,7 @@ class Actor:
         cfg = self.cfg
         per_engine_groups = max(1, cfg.actor.concurrency // cfg.sampling.group_size)
         tasks: set[asyncio.Task] = set()
-        with RewardPool(cfg.reward.workers, cfg.reward.timeout_s) as pool:
+        with RewardPool(cfg.reward.workers, cfg.reward.timeout_s, memory_limit_mb=cfg.reward.memory_limit_mb) as pool:
             self.pool = pool
             last_report = 0.0
             while not self.done:
@@ -185,7 +187,8 @@ class Actor:
         items = [reward_item(problem, text, c.finish_reason) for text, c in zip(texts, resp.completions)]
         results = await self.pool.score_async(self.reward_fn, items)
         t_reward = time.monotonic() - t0 - t_gen
-        group_id = f"{problem.get('id', 'p')}-{self.counts['groups_started']}"
+        # unique across the run: a restarted actor counts from 0 again, under a new launch id
+        group_id = f"{problem.get('id', 'p')}-{self.launch_id}-{self.counts['groups_started']}"
         return [self._sample(group_id, prompt_ids, c, r, {"generate_s": t_gen, "reward_s": t_reward})
                 for c, r in zip(resp.completions, results)]
 

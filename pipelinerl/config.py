@@ -226,7 +226,16 @@ class TrainerConfig:
     # PPO with a value model (advantage: gae, ORZ's method); unused otherwise
     critic: CriticConfig = field(default_factory=CriticConfig)
     max_steps: int = 100
-    save_every: int = 0  # 0 saves only at the end
+    # Checkpoints (RUN_DIR/checkpoints; a rerun of the same command resumes from the newest): every save_every
+    # steps (0: off), and whenever save_every_minutes have passed since the last one (0: off), so a killed run
+    # loses at most that much; also on SIGTERM, SIGINT and SIGUSR1 (SLURM's pre-emption warning), before exiting,
+    # and at the end. The newest keep_checkpoints are kept (0: all).
+    save_every: int = 0
+    save_every_minutes: float = 30.0
+    keep_checkpoints: int = 2
+    # seconds the launcher, when stopped (Ctrl-C, SIGTERM), gives the trainer to save its checkpoint and exit
+    # before killing it
+    stop_grace_s: float = 300.0
     eval_every: int = 0  # held-out evaluation every N steps (and before the first and after the last); 0 = off
     eval_k: int = 4  # samples per held-out problem (pass@1 is averaged over them)
     eval_greedy: bool = False  # one greedy sample per problem instead
@@ -298,6 +307,10 @@ class TrainerConfig:
                "ref_reset_patience); set trainer.kl_coef > 0 or leave the resets off")
         _check(self.samples_per_step >= 1, "trainer.samples_per_step", "must be at least 1")
         _check(self.max_steps >= 1, "trainer.max_steps", "must be at least 1")
+        _check(self.save_every >= 0, "trainer.save_every", "must be >= 0 (0: no checkpoint by step count)")
+        _check(self.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0: none by time)")
+        _check(self.keep_checkpoints >= 0, "trainer.keep_checkpoints", "must be >= 0 (0: keep all)")
+        _check(self.stop_grace_s > 0, "trainer.stop_grace_s", "must be > 0")
         _check(self.temperature > 0, "trainer.temperature", "must be > 0 (log-probs of greedy decoding are undefined)")
         _check_choice(self.mixed_precision, ("auto", "no", "bf16"), "trainer.mixed_precision")
         _check(self.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be at least 1")
@@ -359,6 +372,9 @@ class ActorConfig:
 class RewardConfig:
     workers: int = 1
     timeout_s: float = 5.0
+    # how far a reward worker's memory (address space) may grow beyond its imports; a check that needs more scores
+    # 0, is counted (reward_out_of_memory) and its worker replaced. 0: no limit
+    memory_limit_mb: int = 4096
     # length shaping (pipelinerl.rewards.shaping); all off by default
     truncated_zero: bool = False  # Open-Reasoner-Zero: outputs cut off by the length limit earn 0
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens before the limit; 0 = off
@@ -379,6 +395,7 @@ class RewardConfig:
         _check(self.timeout_s > 0, "reward.timeout_s", "must be > 0")
         _check(self.overlong_buffer >= 0, "reward.overlong_buffer", "must be >= 0")
         _check(self.overlong_penalty >= 0, "reward.overlong_penalty", "must be >= 0")
+        _check(self.memory_limit_mb >= 0, "reward.memory_limit_mb", "must be >= 0 (0: no limit)")
         _check(self.cosine_on_steps >= 0, "reward.cosine_on_steps", "must be >= 0")
         _check(self.cosine_off_steps >= 0, "reward.cosine_off_steps", "must be >= 0")
 
@@ -471,9 +488,13 @@ class MetricsConfig:
     tensorboard: bool = False  # event files in RUN_DIR/tensorboard (needs the `tensorboard` extra)
     wandb_project: str = ""  # a Weights & Biases project to log to (needs the `wandb` extra); empty = off
     wandb_mode: str = "online"  # online | offline | disabled
+    # the launcher's progress: a bar on a terminal; elsewhere (a log file, a batch job) one summary line every
+    # log_every_s seconds
+    log_every_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check_choice(self.wandb_mode, ("online", "offline", "disabled"), "metrics.wandb_mode")
+        _check(self.log_every_s > 0, "metrics.log_every_s", "must be > 0")
 
 
 @dataclass

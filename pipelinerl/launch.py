@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -25,8 +26,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from pipelinerl.auth import API_KEY_ENV, KEY_FILE, api_key_from_env, read_key_file, run_api_key
 from pipelinerl.config import ConfigError, RunConfig, load_config, resolve_for_machine, save_resolved_config
 from pipelinerl.engines.client import EngineClient
+from pipelinerl.metrics import continue_metrics
 from pipelinerl.nodes import NodeLost, NodeRendezvous
 from pipelinerl.placement import (
     EngineSlot,
@@ -235,6 +238,8 @@ def run_pipeline(cfg: RunConfig, urls: list[str], run_dir: Path, plan: NodePlan,
     trainer nodes meet (trainer.num_nodes > 1)."""
     config = str(run_dir / "config.yaml")
     reset_stream(cfg.streams, run_dir, "control")  # control messages are per launch
+    # a resumed run redoes the steps after its checkpoint: their old rows go now, before progress reads the file
+    continue_metrics(run_dir, resumed_version(run_dir))
     joined = ",".join(urls)
     gpus = plan.trainer_gpus
     no_gpu = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}  # the actor and reward workers never need one
@@ -248,7 +253,7 @@ def run_pipeline(cfg: RunConfig, urls: list[str], run_dir: Path, plan: NodePlan,
     (run_dir / "pids.json").write_text(json.dumps({name: p.pid for name, p in children.items()} | engine_pids))
     metrics_path = run_dir / "metrics.jsonl"
     _, offset = _new_rows(metrics_path, 0)  # a resumed run: show only new steps
-    bar = tqdm(total=cfg.trainer.max_steps, desc="steps", unit="step", mininterval=1.0, dynamic_ncols=True)
+    progress = Progress(cfg.trainer.max_steps, cfg.metrics.log_every_s, resumed_at=resumed_version(run_dir))
     try:
         while True:
             check()
@@ -259,14 +264,7 @@ def run_pipeline(cfg: RunConfig, urls: list[str], run_dir: Path, plan: NodePlan,
                     raise ChildFailed(f"{name} exited with code {code}\n--- last lines of {log} ---\n{tail(log)}")
             rows, offset = _new_rows(metrics_path, offset)
             for row in rows:
-                if "eval_accuracy" in row:
-                    bar.write(f"step {row['step']}: held-out pass@1 {row['eval_accuracy']:.3f}")
-                    continue
-                bar.n = row["step"]
-                bar.set_postfix({"samples/s": f"{row['samples_per_s']:.1f}", "tok/s": f"{row['tokens_per_s']:.0f}",
-                                 "reward": f"{row['reward_mean']:.3f}", "lag": f"{row.get('lag_mean', 0):.2f}"},
-                                refresh=False)
-                bar.refresh()
+                progress.show(row)
             if children["trainer"].poll() == 0:
                 children["actor"].wait(timeout=60)  # it stops on the trainer's "done" message
                 for i, url in enumerate(urls):  # what the engines saw, for the record
@@ -278,13 +276,103 @@ def run_pipeline(cfg: RunConfig, urls: list[str], run_dir: Path, plan: NodePlan,
                 return
             time.sleep(0.5)
     finally:
-        bar.close()
+        progress.close()
+        # the trainer first, given time to save a checkpoint (it saves on SIGTERM), then the actor
+        stop_process(children["trainer"], timeout_s=cfg.trainer.stop_grace_s)
         for proc in children.values():
             stop_process(proc)
 
 
+def node_api_key(run_dir: Path) -> str:
+    """The run's key on a node other than 0: PIPELINERL_API_KEY, else the RUN_DIR/api_key node 0 wrote."""
+    key = api_key_from_env()
+    if key:
+        return key
+    try:
+        return read_key_file(run_dir / KEY_FILE)
+    except ValueError as e:
+        raise RuntimeError(f"no API key for this node's engines ({e}): set {API_KEY_ENV} to the same value on every "
+                           "node, or put RUN_DIR on a filesystem the nodes share") from None
+
+
+class Progress:
+    """The run's progress from its metrics rows: a tqdm bar on a terminal; elsewhere (a log file, a batch job)
+    a plain summary line every `every_s` seconds, and each held-out evaluation, instead of a bar redrawn with
+    carriage returns."""
+
+    def __init__(self, max_steps: int, every_s: float, resumed_at: int = 0, terminal: bool | None = None):
+        self.max_steps, self.every_s, self.resumed_at = max_steps, every_s, resumed_at
+        self.terminal = sys.stdout.isatty() if terminal is None else terminal
+        self.bar = tqdm(total=max_steps, initial=resumed_at, desc="steps", unit="step", mininterval=1.0,
+                        dynamic_ncols=True, disable=not self.terminal)
+        self.started = time.monotonic()
+        self.last_line = -math.inf
+        self.last: dict | None = None
+
+    def show(self, row: dict) -> None:
+        if "eval_accuracy" in row:
+            self._print(f"step {row['step']}: held-out pass@1 {row['eval_accuracy']:.3f}")
+            return
+        self.last = row
+        if self.terminal:
+            self.bar.n = row["step"]
+            self.bar.set_postfix({"samples/s": f"{row['samples_per_s']:.1f}", "tok/s": f"{row['tokens_per_s']:.0f}",
+                                  "reward": f"{row['reward_mean']:.3f}", "lag": f"{row.get('lag_mean', 0):.2f}"},
+                                 refresh=False)
+            self.bar.refresh()
+        elif time.monotonic() - self.last_line >= self.every_s or row["step"] >= self.max_steps:
+            self._print(self.summary(row))
+
+    def summary(self, row: dict) -> str:
+        """One line: step, share done, throughput, reward, lag, time so far and left."""
+        step, elapsed = row["step"], time.monotonic() - self.started
+        done_here = step - self.resumed_at
+        eta = elapsed / done_here * (self.max_steps - step) if done_here > 0 else None
+        return (f"step {step}/{self.max_steps} ({100 * step / self.max_steps:.0f}%) | "
+                f"{row['samples_per_s']:.1f} samples/s | {row['tokens_per_s']:.0f} tok/s | "
+                f"reward {row['reward_mean']:.3f} | lag {row.get('lag_mean', 0):.2f} | "
+                f"elapsed {_duration(elapsed)}" + (f" | left ~{_duration(eta)}" if eta is not None else ""))
+
+    def _print(self, line: str) -> None:
+        if self.terminal:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+            self.last_line = time.monotonic()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def resumed_version(run_dir: Path) -> int:
+    """The version of the newest complete checkpoint of the run, 0 if none: where a rerun's trainer resumes.
+    (Read from the files, without importing the trainer.)"""
+    best = 0
+    for state in (run_dir / "checkpoints").glob("step_*/trainer_state.json"):
+        try:
+            best = max(best, int(json.loads(state.read_text())["version"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return best
+
+
+class Interrupted(KeyboardInterrupt):
+    """The launcher was asked to stop (Ctrl-C, SIGTERM, SIGUSR1): the run stops, the trainer saving first."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    raise Interrupted(signum)
 
 
 def main(recipe: str, overrides: list[str]) -> int:
@@ -310,15 +398,20 @@ def main(recipe: str, overrides: list[str]) -> int:
     # saw WORLD_SIZE=2 would wait for a second trainer rank that never comes).
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(var, None)
-    # `kill` of the launcher stops the run like Ctrl-C: every child is stopped on the way out.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # `kill` of the launcher (and SLURM's pre-emption warning, SIGUSR1) stops the run like Ctrl-C: the trainer
+    # saves a checkpoint, every child is stopped on the way out, and the exit code says the run did not finish.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, _interrupt)
     try:
         if node.rank > 0:
             return run_engine_node(cfg, plan)
         return run_main_node(cfg, plan)
-    except KeyboardInterrupt:
-        print("interrupted; all processes of the run stopped", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        version = resumed_version(Path(cfg.run_dir))
+        print(f"interrupted by {signal.Signals(signum).name}; all processes of the run stopped. The newest "
+              f"checkpoint is at step {version}: rerun the same command to resume from it.", file=sys.stderr)
+        return 128 + signum
 
 
 def missing_data(cfg: RunConfig) -> list[str]:
@@ -387,6 +480,9 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
             ok = True
             return 0
         save_resolved_config(cfg, run_dir)
+        # the key every engine of the run requires; the processes started from here (and this one's clients) read
+        # it from the environment (pipelinerl/auth.py)
+        os.environ[API_KEY_ENV] = run_api_key(run_dir)
         try:
             model_path = prepare_model(cfg)
         except ConfigError as e:
@@ -454,6 +550,8 @@ def run_engine_node(cfg: RunConfig, plan: NodePlan) -> int:
     trainer_log = log_dir / "trainer.log"
     try:
         model_path = rendezvous.wait_model(stop_when_over)
+        # node 0 made the run's key before saying the model is ready
+        os.environ[API_KEY_ENV] = node_api_key(run_dir)
         host = advertised_host(cfg.engine.host, node.master_addr, node.master_port)
         print(plan.describe())
         engines = Engines(cfg, Path(model_path), plan.engines, log_dir, advertise_host=host)

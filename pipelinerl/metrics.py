@@ -11,8 +11,53 @@ from typing import Any
 from pipelinerl.config import MetricsConfig
 
 
+def continue_metrics(run_dir: str | Path, version: int, name: str = "metrics.jsonl") -> int:
+    """Make `RUN_DIR/<name>` (rows with a `step`) end where a run resumed at `version` continues: rows of later
+    steps (written after the checkpoint it resumed from, and about to be redone) are removed, so every step
+    appears once; a run starting from version 0 starts an empty file. Returns the number of rows removed.
+    Atomic (a rename)."""
+    path = Path(run_dir) / name
+    if not path.exists():
+        return 0
+    kept, removed = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            removed += 1  # a torn last line of a killed writer
+            continue
+        if version > 0 and step <= version:
+            kept.append(line)
+        else:
+            removed += 1
+    if removed:
+        tmp = path.with_name(f".tmp-{name}")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+    return removed
+
+
+class JsonlAppender:
+    """One JSON object per line, appended and flushed row by row (a killed writer leaves at most a torn last
+    line, which `continue_metrics` drops)."""
+
+    def __init__(self, path: str | Path):
+        self._file = open(path, "a")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class MetricsSink:
-    def __init__(self, run_dir: str | Path, cfg: MetricsConfig, run_config: dict[str, Any] | None = None):
+    """`resume_version`: the version a resumed run continues from; TensorBoard then drops its events of later
+    steps (metrics.jsonl is trimmed by `continue_metrics`)."""
+
+    def __init__(self, run_dir: str | Path, cfg: MetricsConfig, run_config: dict[str, Any] | None = None,
+                 resume_version: int = 0):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
@@ -24,7 +69,8 @@ class MetricsSink:
             except ImportError as e:
                 raise RuntimeError(f"metrics.tensorboard: needs the tensorboard package ({e}); "
                                    "`pip install -e '.[tensorboard]'` or set metrics.tensorboard=false") from None
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"),
+                                     purge_step=resume_version + 1 if resume_version > 0 else 0)
         if cfg.wandb_project:
             try:
                 import wandb

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -23,16 +24,88 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from pipelinerl.config import RunConfig, load_config, resolve_for_machine
-from pipelinerl.metrics import MetricsSink
+from pipelinerl.metrics import JsonlAppender, MetricsSink, continue_metrics
 from pipelinerl.placement import detect_gpus
 from pipelinerl.procs import role_arguments
 from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.trainer import Trainer
-from pipelinerl.trainer.checkpoint import checkpoint_dir, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from pipelinerl.trainer.checkpoint import (
+    checkpoint_dir,
+    export_hf,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from pipelinerl.trainer.ranks import host_barrier
 
 log = logging.getLogger("pipelinerl.train")
+AUDIT_FILE = "trained_groups.jsonl"
+
+
+class StopRequested(Exception):
+    """A stop signal arrived while the trainer waited for samples."""
+
+
+class StopSignals:
+    """SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (SLURM's warning before pre-emption, `sbatch --signal=USR1@120`)
+    ask the trainer to stop: it finishes the step under way, saves a checkpoint and exits with 128 + the
+    signal's number, so a scheduler sees a run that did not finish."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> StopSignals:
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
+        self.signum = self.signum or signum  # the first one names the exit code; logged outside the handler
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+class Checkpoints:
+    """When to save: every `trainer.save_every` steps, every `trainer.save_every_minutes`, on a stop and at the
+    end; pruned to the newest `trainer.keep_checkpoints`. With several trainer processes they agree (one small
+    all-reduce per step) so that all save, or stop, at the same step."""
+
+    def __init__(self, trainer: Trainer, run_dir: Path, saved_version: int):
+        self.trainer, self.run_dir, self.cfg = trainer, run_dir, trainer.cfg
+        self.saved_version = saved_version
+        self.last_save = time.monotonic()
+
+    def decide(self, stop_requested: bool) -> tuple[bool, bool]:
+        """(save now, stop now) after a step, agreed by every trainer process."""
+        c, version = self.cfg, self.trainer.version
+        by_steps = bool(c.save_every) and version % c.save_every == 0
+        by_time = bool(c.save_every_minutes) and time.monotonic() - self.last_save >= 60 * c.save_every_minutes
+        flags = [float(by_steps or by_time), float(stop_requested)]
+        if self.trainer.accelerator.num_processes > 1:
+            import torch
+            import torch.distributed as dist
+
+            t = torch.tensor(flags, device=self.trainer.accelerator.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flags = t.tolist()
+        return flags[0] > 0, flags[1] > 0
+
+    def save(self, position: dict) -> None:
+        if self.saved_version == self.trainer.version:
+            return
+        save_checkpoint(self.trainer, checkpoint_dir(self.run_dir, self.trainer.version), position)
+        self.saved_version, self.last_save = self.trainer.version, time.monotonic()
+        if self.trainer.accelerator.is_main_process:
+            for old in prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints):
+                log.info("deleted checkpoint %s (trainer.keep_checkpoints=%d)", old, self.cfg.keep_checkpoints)
 
 
 class SampleFeed:
@@ -52,6 +125,7 @@ class SampleFeed:
         self.buffer: deque[dict] = deque()
         self.consumed = 0  # samples taken from the stream: trained on, dropped as stale or as incomplete groups
         self.incomplete = 0  # samples dropped in incomplete groups
+        self.dropped_groups: list[str] = []  # ids of groups dropped (stale or incomplete) since last asked
         while self.consumed < skip:  # resume: the first `skip` samples were trained on before
             self._fill(block=True)
             while self.buffer and self.consumed < skip:
@@ -65,8 +139,8 @@ class SampleFeed:
                 return
             time.sleep(0.02)
 
-    def take_fresh(self, n: int, version: int, max_lag: int,
-                   on_dropped: Callable[[], None] = lambda: None) -> tuple[list[Sample], int]:
+    def take_fresh(self, n: int, version: int, max_lag: int, on_dropped: Callable[[], None] = lambda: None,
+                   should_stop: Callable[[], bool] = lambda: False) -> tuple[list[Sample], int]:
         """The next `n` samples (`n / group_size` whole groups) at most `max_lag` versions behind `version`, and
         how many samples were dropped on the way.
 
@@ -77,7 +151,9 @@ class SampleFeed:
         planned). Incomplete groups dropped on the way count as dropped too.
 
         `on_dropped` runs before waiting for replacements: the actor plans from the count of samples taken, and
-        must hear that more are needed or it would wait for the trainer while the trainer waits for it."""
+        must hear that more are needed or it would wait for the trainer while the trainer waits for it.
+        `should_stop` is asked while waiting: when it says yes, `StopRequested` is raised (the samples this call
+        took are lost to this process, not to the run: a resume reads on from the checkpoint's position)."""
         if n % self.group_size:
             raise ValueError(f"take_fresh takes whole groups: {n} samples is not a multiple of sampling.group_size="
                              f"{self.group_size} (trainer.samples_per_step must be one)")
@@ -85,11 +161,12 @@ class SampleFeed:
         dropped = 0
         while len(fresh) < n:
             incomplete_before = self.incomplete
-            groups = self.take_groups((n - len(fresh)) // self.group_size)
+            groups = self.take_groups((n - len(fresh)) // self.group_size, should_stop)
             dropped_now = self.incomplete - incomplete_before
             for group in groups:
                 if max(s.lag(version) for s in group) > max_lag:
                     dropped_now += len(group)
+                    self.dropped_groups.append(group[0].group_id)
                 else:
                     fresh += group
             dropped += dropped_now
@@ -97,7 +174,7 @@ class SampleFeed:
                 on_dropped()
         return fresh, dropped
 
-    def take_groups(self, max_groups: int) -> list[list[Sample]]:
+    def take_groups(self, max_groups: int, should_stop: Callable[[], bool] = lambda: False) -> list[list[Sample]]:
         """Up to `max_groups` whole groups: those complete in the stream now, or (if none) the first to complete."""
         groups: list[list[Sample]] = []
         while True:
@@ -106,7 +183,14 @@ class SampleFeed:
                 groups.append([Sample.model_validate(record) for record in group])
             if groups or max_groups <= 0:
                 return groups
+            if should_stop():
+                raise StopRequested
             time.sleep(0.02)
+
+    def take_dropped_groups(self) -> list[str]:
+        """The ids of the groups dropped since the last call."""
+        out, self.dropped_groups = self.dropped_groups, []
+        return out
 
     def _pop_group(self) -> list[dict] | None:
         """The buffer's first group if all its samples are there, dropping incomplete groups before it; None
@@ -123,6 +207,7 @@ class SampleFeed:
                 return None  # the group's other samples are still on their way
             for _ in range(size):  # another group starts before this one is whole
                 self.buffer.popleft()
+            self.dropped_groups.append(group_id)
             self.consumed += size
             self.incomplete += size
             log.warning("dropped incomplete group %s: %d of sampling.group_size=%d samples, then group %s begins (a "
@@ -142,18 +227,33 @@ def batch_metrics(batch: list[Sample]) -> dict[str, float]:
     }
 
 
-def train(cfg: RunConfig, engine_urls: list[str]) -> None:
+def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = None) -> int:
+    """Train until `trainer.max_steps` (returns 0) or until a stop signal (returns 128 + its number), saving a
+    checkpoint either way."""
+    stop = stop or StopSignals()
     run_dir = Path(cfg.run_dir)
     trainer = Trainer(cfg.model.path, cfg.trainer, cfg.weight_sync, cfg.model.dtype, cfg.seed)
     # With several trainer processes every one reads the same samples and takes its share of each batch; only
     # the main process writes metrics, announces versions and evaluates (it alone talks to the engines).
     main = trainer.accelerator.is_main_process
-    metrics = MetricsSink(run_dir, cfg.metrics, OmegaConf.to_container(OmegaConf.structured(cfg))) if main else None
     position: dict = {}
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
         position = load_checkpoint(trainer, ckpt)
         log.info("resumed from %s at version %d", ckpt, trainer.version)
+    metrics = None
+    if main:  # steps after the checkpoint will be redone: their rows go, so every step is in the file once
+        removed = continue_metrics(run_dir, trainer.version)
+        if removed:
+            log.info("metrics.jsonl: removed %d rows of steps after version %d (redone now)", removed,
+                     trainer.version)
+        metrics = MetricsSink(run_dir, cfg.metrics, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                              resume_version=trainer.version)
+        # which groups each step trained on and dropped: a resume can be audited to redo no step twice and lose
+        # no group (tests/test_resume.py)
+        continue_metrics(run_dir, trainer.version, AUDIT_FILE)
+        audit = JsonlAppender(run_dir / AUDIT_FILE)
+    checkpoints = Checkpoints(trainer, run_dir, saved_version=trainer.version)
     # every tensor-parallel worker of an engine is a rank of the weight-update group
     group = trainer.connect_engines(engine_urls, ranks_per_engine=cfg.engine.tensor_parallel_size)
     if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights
@@ -164,6 +264,8 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     stale_dropped = position.get("stale_dropped", 0)
     started = time.monotonic() - position.get("elapsed_s", 0.0)
     evaluator = HeldOutEval(cfg, engine_urls, enabled=main and cfg.trainer.eval_every > 0)
+    stopped = False
+    step_position = _position(feed, stale_dropped, started)  # where the stream stands after the last whole step
     try:
         if evaluator.enabled and trainer.version == 0:
             eval_row = evaluator.run(0, time.monotonic() - started, feed.consumed)
@@ -177,7 +279,8 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
             batch, dropped = feed.take_fresh(
                 cfg.trainer.samples_per_step, trainer.version, cfg.actor.max_lag,
                 on_dropped=lambda: announce(control, {"kind": "version", "version": trainer.version,
-                                                      "consumed": feed.consumed}))
+                                                      "consumed": feed.consumed}),
+                should_stop=lambda: stop.requested)
             stale_dropped += dropped
             waited = time.monotonic() - last
             stats = trainer.optimizer_step(batch)
@@ -192,8 +295,11 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
                    "stale_dropped": stale_dropped, "stream_corrupt": feed.reader.corrupt,
                    "min_version_in_batch": min(s.oldest_version for s in batch),
                    **batch_metrics(batch), **stats}
+            step_position = _position(feed, stale_dropped, started)
             if metrics:
                 metrics.write(row)
+                audit.write({"step": trainer.version, "trained": sorted({s.group_id for s in batch}),
+                             "dropped": feed.take_dropped_groups()})
             if evaluator.enabled and (trainer.version % cfg.trainer.eval_every == 0
                                       or trainer.version == cfg.trainer.max_steps):
                 eval_row = evaluator.run(trainer.version, time.monotonic() - started, feed.consumed)
@@ -202,13 +308,26 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
             # the main process pushed the weights to the engines (and maybe evaluated) alone
             host_barrier(f"step {trainer.version}'s weight push and held-out evaluation")
             last = time.monotonic()
-            if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0:
-                save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped,
-                                                                                            started))
+            save_now, stopped = checkpoints.decide(stop.requested)
+            if save_now and not stopped:
+                checkpoints.save(step_position)
+            if stopped:
+                break
+    except StopRequested:
+        stopped = True
     finally:
         if metrics:
             metrics.close()
-    save_checkpoint(trainer, checkpoint_dir(run_dir, trainer.version), _position(feed, stale_dropped, started))
+            audit.close()
+    # after the last whole step: samples a stopped step had taken while waiting for more are taken again on resume
+    checkpoints.save(step_position)
+    if stopped:
+        signum = stop.signum or signal.SIGTERM
+        log.warning("stopped by %s at version %d of %d: checkpoint saved; rerun the same command to resume",
+                    signal.Signals(signum).name, trainer.version, cfg.trainer.max_steps)
+        evaluator.close()
+        trainer.close()
+        return 128 + signum
     export_hf(trainer, run_dir / "final_model")
     evaluator.close()
     announce(control, {"kind": "done", "version": trainer.version})
@@ -217,6 +336,7 @@ def train(cfg: RunConfig, engine_urls: list[str]) -> None:
     trainer.close()
     if group is not None:
         group.destroy()
+    return 0
 
 
 def announce(control, message: dict) -> None:
@@ -247,7 +367,8 @@ class HeldOutEval:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             from pipelinerl.rewards import RewardPool
 
-            self.pool = RewardPool(workers=1, timeout_s=cfg.reward.timeout_s).start()
+            self.pool = RewardPool(workers=1, timeout_s=cfg.reward.timeout_s,
+                                   memory_limit_mb=cfg.reward.memory_limit_mb).start()
 
     @staticmethod
     def sampling(cfg: RunConfig) -> dict:
@@ -323,10 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     # read by torch when the trainer's process groups are made, so set before any is
     os.environ.update(nccl_failure_env(cfg.run_dir, os.environ))
     nccl_trace_dir(cfg.run_dir).mkdir(parents=True, exist_ok=True)  # torch makes only its default one
-    train(cfg, args.engines)
+    code = train(cfg, args.engines, StopSignals().install())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        exit_now()
-    return 0
+        exit_now(code)
+    return code
 
 
 def exit_now(code: int = 0) -> None:

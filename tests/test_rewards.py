@@ -100,6 +100,22 @@ def check_verify_timeout(item):
 check_pair.warmup = check_verify_timeout.warmup = rmath._warmup
 
 
+def check_memory_hog(item):
+    """A verifier that wants far more memory than its worker may have."""
+    hog = bytearray(item["mb"] * 1024 * 1024)
+    return float(len(hog) > 0)
+
+
+def check_huge_completion(item):
+    """The real rules on a completion of several megabytes."""
+    rules = (math_reward(item["problem"], item["completion"]),
+             orz_exact_reward(item["problem"], item["completion"], "stop"))
+    return RewardResult(sum(r.reward for r in rules), {}, "; ".join(r.info for r in rules))
+
+
+check_huge_completion.warmup = rmath._warmup
+
+
 # -- pool ------------------------------------------------------------------------------------------------------
 
 
@@ -116,7 +132,25 @@ def test_pool_isolates_hangs_crashes_and_errors_and_keeps_scoring():
         assert results[1] == results[5] == RewardResult(14.0, {"double": 1.0}, "")
         # replaced workers score correctly afterwards
         assert [r.reward for r in pool.score(check_double, [{"x": i} for i in range(4)])] == [0, 2, 4, 6]
-        assert pool.stats() == {"scored": 12, "timeouts": 1, "crashes": 2, "errors": 1, "workers_replaced": 3}
+        assert pool.stats() == {"scored": 12, "timeouts": 1, "crashes": 2, "errors": 1, "out_of_memory": 0,
+                                "workers_replaced": 3}
+
+
+def test_a_verifier_out_of_memory_and_a_huge_completion_are_each_handled_and_counted():
+    """A check that wants 4 GiB in a worker capped at 768 MiB gets reward 0, counted, and the worker is replaced;
+    a 6 MB completion goes through the real math rules within the timeout; the pool keeps scoring."""
+    completion = "Let me think. " * 450_000 + "<answer>\\boxed{7}</answer>"
+    problem = {"answer": "7"}
+    with RewardPool(workers=1, timeout_s=20.0, memory_limit_mb=768) as pool:
+        hog = pool.score(check_memory_hog, [{"mb": 4096}])[0]
+        assert hog.reward == 0 and hog.info.startswith("out of memory"), hog
+        assert pool.score(check_memory_hog, [{"mb": 64}])[0].reward == 1.0  # what fits still runs
+        t0 = time.monotonic()
+        big = pool.score(check_huge_completion, [{"problem": problem, "completion": completion}])[0]
+        assert time.monotonic() - t0 < 20 and big.reward == 2.0, big
+        assert [r.reward for r in pool.score(check_double, [{"x": i} for i in range(3)])] == [0, 2, 4]
+        stats = pool.stats()
+        assert stats["out_of_memory"] == 1 and stats["workers_replaced"] == 1 and stats["scored"] == 5, stats
 
 
 def test_pool_reports_bad_returns_and_unpicklable_items_as_errors():

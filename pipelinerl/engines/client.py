@@ -16,6 +16,7 @@ import aiohttp
 import httpx
 from pydantic import TypeAdapter
 
+from pipelinerl.auth import api_key_from_env, auth_headers
 from pipelinerl.contracts.inference import (
     GenerateRequest,
     GenerateResponse,
@@ -53,9 +54,11 @@ class EngineClient:
     """Blocking calls to one engine. Thread-safe (httpx.Client is), except that one weight update at a time
     goes through `send_update` / `finish_update`."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0):
+    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None):
+        """`api_key`: sent on every request; default `PIPELINERL_API_KEY` from the environment (pipelinerl.auth)."""
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._headers = auth_headers(api_key or api_key_from_env())
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=self._headers)
         self._timeout_s = timeout_s
         self._update_conn: http.client.HTTPConnection | None = None
 
@@ -119,7 +122,7 @@ class EngineClient:
         conn = self._update_connection()
         try:
             conn.request("POST", f"{self._path_prefix}/v1/weights/update", body=body,
-                         headers={"content-type": "application/json"})
+                         headers={"content-type": "application/json", **self._headers})
         except Exception:
             self.abandon_update()
             raise
@@ -170,16 +173,17 @@ class AsyncEngineClient:
     client's CPU time is time the engines and the trainer do not get). The session is made on first use,
     inside the running event loop, as aiohttp requires."""
 
-    def __init__(self, url: str, timeout_s: float = 3600.0, max_connections: int = 256):
+    def __init__(self, url: str, timeout_s: float = 3600.0, max_connections: int = 256, api_key: str | None = None):
         self.url = url.rstrip("/")
         self._timeout_s, self._max_connections = timeout_s, max_connections
+        self._headers = auth_headers(api_key or api_key_from_env())
         self._session = None
         self.in_flight = 0
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self._timeout_s),
+                headers=self._headers, timeout=aiohttp.ClientTimeout(total=self._timeout_s),
                 connector=aiohttp.TCPConnector(limit=self._max_connections))
         return self._session
 

@@ -35,7 +35,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-COUNTERS = ("scored", "timeouts", "crashes", "errors", "workers_replaced")
+COUNTERS = ("scored", "timeouts", "crashes", "errors", "out_of_memory", "workers_replaced")
 ScoreFn = Callable[[dict], Any] | str
 
 
@@ -99,7 +99,27 @@ def _nothing() -> None:
     pass
 
 
-def _worker_main(conn: Connection, preload: tuple[str, ...]) -> None:
+def _limit_memory(limit_mb: int) -> None:
+    """Let this worker's address space (RLIMIT_AS) grow by at most `limit_mb` MiB beyond what it holds now, with
+    the scoring function imported and warmed up (libraries like torch map gigabytes of address space at import):
+    a check that tries to take more gets a MemoryError (or dies), instead of the machine's memory and the OOM
+    killer's choice of victim. Linux only; elsewhere the timeout still bounds the check."""
+    if limit_mb <= 0:
+        return
+    try:
+        import resource
+
+        held = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (ImportError, OSError, ValueError):
+        return
+    limit = held + limit_mb * 1024 * 1024
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _worker_main(conn: Connection, preload: tuple[str, ...], memory_limit_mb: int = 0) -> None:
     """Worker loop: receive (ref, item), say "start" once the function is ready, run it, send the result.
 
     The "start" message lets the parent exclude import time (sympy takes seconds on a cold process) from the
@@ -108,6 +128,7 @@ def _worker_main(conn: Connection, preload: tuple[str, ...]) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes the pool
     _exit_with_parent()
+    limited = False
     for module in preload:
         try:
             importlib.import_module(module)
@@ -127,11 +148,20 @@ def _worker_main(conn: Connection, preload: tuple[str, ...]) -> None:
                 fn = resolve(ref)
                 getattr(fn, "warmup", _nothing)()  # heavy imports, before the clock starts
                 functions[ref] = fn
+            if not limited:  # once the first function is imported: the cap is on what the checks take
+                _limit_memory(memory_limit_mb)
+                limited = True
             conn.send(("start", None))
             reply = ("ok", to_result(functions[ref](item)))
+        except MemoryError:
+            reply = ("memory", f"the check needed more than the {memory_limit_mb} MiB a worker may take "
+                               "(reward.memory_limit_mb)")
         except Exception as e:
             reply = ("error", f"{type(e).__name__}: {e}")
+        del item  # a big completion is not kept while the worker waits for the next one
         conn.send(reply)
+        if reply[0] == "memory":
+            return  # a fresh worker, with a clean heap, takes the next check
 
 
 class RewardPool:
@@ -144,11 +174,13 @@ class RewardPool:
 
     `timeout_s` bounds each check from the moment the worker starts it; `start_timeout_s` separately bounds a
     fresh worker's start-up, the import of the scoring function and its warmup. `preload` names modules every
-    worker imports as soon as it starts.
+    worker imports as soon as it starts. `memory_limit_mb` caps how far each worker's address space may grow
+    beyond its imports (0: no cap); a check that runs out gets reward 0 with reason "out of memory: ...", counted
+    in `out_of_memory`, and its worker is replaced.
     """
 
     def __init__(self, workers: int = 1, timeout_s: float = 5.0, start_method: str = "spawn",
-                 preload: Iterable[str] = (), start_timeout_s: float = 120.0) -> None:
+                 preload: Iterable[str] = (), start_timeout_s: float = 120.0, memory_limit_mb: int = 0) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         if timeout_s <= 0:
@@ -157,6 +189,7 @@ class RewardPool:
             raise ValueError(f"start_method must be spawn or forkserver (the parent has threads), got {start_method!r}")
         self.workers, self.timeout_s, self.start_timeout_s = workers, timeout_s, start_timeout_s
         self.preload = tuple(preload)
+        self.memory_limit_mb = memory_limit_mb
         self._ctx = mp.get_context(start_method)
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -237,8 +270,8 @@ class RewardPool:
 
     def _spawn(self, slot: int) -> tuple[Any, Connection]:
         parent_end, child_end = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child_end, self.preload), name=f"reward-worker-{slot}",
-                                 daemon=True)
+        proc = self._ctx.Process(target=_worker_main, args=(child_end, self.preload, self.memory_limit_mb),
+                                 name=f"reward-worker-{slot}", daemon=True)
         proc.start()
         child_end.close()  # so the parent sees EOF when the worker dies
         return proc, parent_end
@@ -257,7 +290,7 @@ class RewardPool:
     def _score_on(self, slot: int, ref: str, item: dict) -> RewardResult:
         proc, conn = self._procs[slot]
         result, outcome = self._run(proc, conn, ref, item)
-        if outcome in ("timeouts", "crashes"):
+        if outcome in ("timeouts", "crashes", "out_of_memory"):
             _stop(proc, conn, kill=True)
             if self._closed:
                 raise RuntimeError("reward pool closed while the check was running")
@@ -291,6 +324,8 @@ class RewardPool:
                 started, deadline = True, time.monotonic() + self.timeout_s
             elif kind == "ok":
                 return value, "scored"
+            elif kind == "memory":
+                return RewardResult(0.0, {}, f"out of memory: {value}"), "out_of_memory"
             else:
                 return RewardResult(0.0, {}, f"error: {value}"), "errors"
 

@@ -100,6 +100,26 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return best[2] if best else None
 
 
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints under `<run_dir>/checkpoints` (0 keeps all), and any
+    leftover of an interrupted save; returns what was deleted. Main process only."""
+    root = Path(run_dir) / "checkpoints"
+    if keep <= 0 or not root.is_dir():
+        return []
+    complete = []
+    for d in root.iterdir():
+        if d.name.startswith(".tmp-") or d.name.startswith(".old-"):
+            continue  # a save in progress or an interrupted one: _replace_dir and the next save clean these
+        try:
+            complete.append((int(json.loads((d / STATE_FILE).read_text())["step"]), d.name, d))
+        except (OSError, ValueError, KeyError):
+            continue  # not a checkpoint this code wrote: left alone
+    deleted = [d for _, _, d in sorted(complete)[:-keep]]
+    for d in deleted:
+        shutil.rmtree(d, ignore_errors=True)
+    return deleted
+
+
 def export_hf(trainer: Trainer, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
     """Write the full current model with `save_pretrained` (weights in the engines' dtype), plus the tokenizer
     (the one given, else the one beside the trainer's model if there is one). Every trainer rank calls it."""
