@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from pipelinerl.auth import ApiKeyMiddleware, serve_api_key
+
 log = logging.getLogger(__name__)
 
 
@@ -17,7 +19,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="embedded", choices=["embedded", "vllm", "sglang"],
                    help="inference engine behind the contract")
     p.add_argument("--model", required=True, help="local Hugging Face model directory (or a hub name)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only; any other address "
+                                                        "needs an API key)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="a file holding the key every route but /v1/health requires (Authorization: Bearer); "
+                        "default: the PIPELINERL_API_KEY environment variable; none: no key")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve on a non-loopback --host without a key (only on a network you trust)")
     p.add_argument("--port", type=int, default=8100, help="0: any free port (see --port-file)")
     p.add_argument("--port-file", default=None,
                    help="write the port listened on to this file once bound (how a launcher learns a free port)")
@@ -101,6 +109,10 @@ def build_app(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:  # before any model loads: a refused start is immediate
+        args.api_key = serve_api_key(args.api_key_file, args.host, args.allow_unauthenticated)
+    except ValueError as e:
+        raise SystemExit(f"--api-key-file: {e}") from None
     if args.engine == "vllm":
         from pipelinerl.engines.vllm import serve as serve_vllm
 
@@ -132,9 +144,12 @@ def run_server(app, args: argparse.Namespace, banner: str) -> None:
     """Serve `app` with uvicorn on --host/--port until stopped, writing --port-file once listening."""
     import uvicorn
 
+    api_key = getattr(args, "api_key", None)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
-    print(f"{banner} on http://{args.host}:{port}", flush=True)
+    print(f"{banner} on http://{args.host}:{port}" + (" (API key required)" if api_key else ""), flush=True)
     if args.port_file:
         tmp = f"{args.port_file}.tmp"
         with open(tmp, "w") as f:

@@ -57,6 +57,13 @@ def test_pipelined_run_updates_engines_in_flight(tmp_path):
     assert engine["pipelinerl_weight_version"] == 12
     assert engine["pipelinerl_weight_updates_while_running_total"] >= 1
     assert (run_dir / "final_model" / "config.json").exists() and (run_dir / "config.yaml").exists()
+    # the engines required the run's own key, which every process had and nothing printed
+    key = (run_dir / "api_key").read_text().strip()
+    assert (run_dir / "api_key").stat().st_mode & 0o077 == 0 and len(key) >= 32
+    assert all(key not in p.read_text(errors="replace") for p in [run_dir / "config.yaml",
+                                                                  *(run_dir / "logs").glob("*.log")])
+    assert "API key required" in (run_dir / "logs" / "engine0.log").read_text()
+    assert key not in r.stdout + r.stderr
     # a rerun in the same directory resumes from the last checkpoint and continues the version sequence
     r = launch(run_dir, "trainer.max_steps=14", "actor.max_lag=2")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -106,3 +113,89 @@ def test_a_dead_child_stops_the_run_naming_it(tmp_path):
     for pid in pids.values():  # nothing is left behind
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        if any(row["step"] >= step for row in rows):
+            return
+        assert time.monotonic() < deadline and proc.poll() is None, f"never reached step {step}"
+        time.sleep(0.2)
+
+
+def _audit(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
+
+
+def test_a_trainer_killed_at_a_random_step_resumes_losing_at_most_one_interval(tmp_path):
+    """kill -9 of the trainer, then the same command again: at most one checkpoint interval of steps is redone,
+    every step is in the metrics once, and every group the trainer took from the stream was trained on exactly
+    once or dropped as stale (by group id)."""
+    import random
+    import re
+
+    from pipelinerl.config import StreamsConfig
+    from pipelinerl.streams import open_reader
+
+    run_dir = tmp_path / "run"
+    interval, steps = 5, 30
+    args = ("trainer.max_steps=30", f"trainer.save_every={interval}", "trainer.save_every_minutes=0",
+            "actor.max_lag=2")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), TESTS, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(run_args(run_dir, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    kill_at = random.randint(interval + 1, steps - interval - 2)
+    _wait_for_step(run_dir, proc, kill_at)
+    os.kill(json.loads((run_dir / "pids.json").read_text())["trainer"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "trainer exited with code -9" in err
+    reached = max(row["step"] for row in metrics(run_dir))
+
+    r = launch(run_dir, *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = [int(v) for v in re.findall(r"resumed from \S+ at version (\d+)",
+                                           (run_dir / "logs" / "trainer.log").read_text())]
+    assert resumed and 0 < reached - resumed[-1] <= interval, (kill_at, reached, resumed)
+    assert [row["step"] for row in metrics(run_dir)] == list(range(1, steps + 1))
+
+    audit = _audit(run_dir)
+    assert [row["step"] for row in audit] == list(range(1, steps + 1))
+    trained = [g for row in audit for g in row["trained"]]
+    dropped = [g for row in audit for g in row["dropped"]]
+    assert len(trained) == len(set(trained)) == steps * 4, "a group trained twice"
+    assert not set(trained) & set(dropped) and len(dropped) == len(set(dropped))
+    # the stream up to where the final checkpoint stands: each of its groups trained or dropped, none lost
+    final = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    consumed = json.loads((final / "trainer_state.json").read_text())["data_position"]["consumed_samples"]
+    records = list(open_reader(StreamsConfig(), run_dir, "samples").read())[:consumed]
+    assert {rec["group_id"] for rec in records} == set(trained) | set(dropped)
+
+
+def test_sigterm_saves_a_checkpoint_exits_nonzero_and_the_rerun_continues(tmp_path):
+    """A stopped run (SIGTERM to the launcher, as a scheduler sends it) is not a success: the trainer saves a
+    checkpoint at the step it reached, the launcher exits 143, and the same command continues from there.
+    Checkpoints by time keep only the newest; off a terminal progress is plain lines, not a redrawn bar."""
+    run_dir = tmp_path / "run"
+    args = ("trainer.max_steps=1000", "trainer.save_every_minutes=0.02", "trainer.keep_checkpoints=2",
+            "metrics.log_every_s=1")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), TESTS, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(run_args(run_dir, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    _wait_for_step(run_dir, proc, 8)
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "rerun the same command" in err
+    reached = max(row["step"] for row in metrics(run_dir))
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert 1 <= len(checkpoints) <= 2, checkpoints
+    assert checkpoints[-1].name == f"step_{reached:08d}", "the stop saved the step it reached"
+    assert "stopped by SIGTERM" in (run_dir / "logs" / "trainer.log").read_text()
+    assert "\r" not in out and "step " in out and "/1000 (" in out, out[-2000:]
+
+    r = launch(run_dir, "trainer.max_steps=" + str(reached + 3), "trainer.save_every_minutes=0.02")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in metrics(run_dir)] == list(range(1, reached + 4))
