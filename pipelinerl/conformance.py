@@ -2,9 +2,11 @@
 
 `pipelinerl conformance --url http://127.0.0.1:8100 --model PATH` runs every check and prints a PASS/FAIL
 table (exit status 1 on any failure). PATH is a local copy of the model the engine serves: this process acts
-as the trainer (rank 0 of a gloo weight-update group, pushing the same and perturbed weights) and rescores
+as the trainer (rank 0 of a gloo weight-update group, pushing the same weights and changed ones) and rescores
 the engine's tokens with it, so log-probs and in-flight switches are checked against an independent
-computation rather than against the engine itself.
+computation rather than against the engine itself. What the checks expect holds for any causal LM: changed
+weights negate the logits (so every greedy token changes, even for a model that repeats one token), and
+samples are drawn at a temperature at which this model's samples differ.
 
 The suite changes the engine's weights while it runs and pushes the original weights back at the end (the
 engine's weight version ends higher than it started). It leaves the engine in this process's weight-update
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import threading
@@ -28,6 +31,7 @@ from typing import Any
 import httpx
 import torch
 
+from pipelinerl.auth import api_key_from_env, auth_headers
 from pipelinerl.contracts.inference import CONTRACT_VERSION, Completion, InfoResponse
 from pipelinerl.engines.client import EngineClient, EngineError, init_group_on_engines, push_weights
 
@@ -71,15 +75,92 @@ class Reference:
         self.base = {k: v.detach().clone() for k, v in self.model.named_parameters()}
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self._loaded: dict[str, torch.Tensor] | None = None
+        self._flip_names: list[str] | None = None
 
     def named(self, state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         return [(n, state[n]) for n in self.base]
 
     def perturbed(self, seed: int, scale: float = 0.5) -> dict[str, torch.Tensor]:
-        """Weights far enough from the base that greedy outputs change (matrices only; norms kept)."""
+        """The base weights with Gaussian noise of `scale` standard deviations added to every matrix (vectors
+        kept). It changes every layer, so the KV cache computed under it differs from the base's, but it need not
+        change any greedy token: a freshly initialised model with tied embeddings repeats its input's last token
+        with or without it."""
         g = torch.Generator().manual_seed(seed)
         return {k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.dim() > 1 else v.clone()
                 for k, v in self.base.items()}
+
+    def flipped(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """`state` with every output logit negated (the same hidden states, -logits), or None where this model
+        has no parameters that do that. Under it every greedy token is the base's least likely one, so whatever
+        the model (confident, random, repeating one token), the argmax changes at every position whose logits
+        are not all equal."""
+        names = self.flip_names
+        return None if names is None else {k: -v if k in names else v for k, v in state.items()}
+
+    @property
+    def flip_names(self) -> list[str] | None:
+        """The parameters the logits are linear in and nothing else reads: an untied head's weight and bias, or
+        with a tied head (which is also the input embedding) the final norm's scale and shift. Found by running
+        the model, and used only if negating them negates the logits exactly on a probe."""
+        if self._flip_names is None:
+            self._flip_names = self._find_flip_names() or []
+        return self._flip_names or None
+
+    @torch.no_grad()
+    def _find_flip_names(self) -> list[str] | None:
+        head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        if head is None or not list(head.parameters(recurse=False)):
+            return None
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        probe = torch.arange(8)[None] % self.vocab_size
+        self._load(self.base)
+        if getattr(head, "weight", None) is not getattr(embedding, "weight", None):
+            found = [names[id(p)] for p in head.parameters(recurse=False)]
+        else:  # the module whose output the head multiplies: the last one run before it with that output
+            outputs: list[tuple[torch.nn.Module, Any]] = []
+            head_input: list[torch.Tensor] = []
+            hooks = [m.register_forward_hook(lambda m, _, out: outputs.append((m, out)))
+                     for m in self.model.modules() if m is not head and list(m.parameters(recurse=False))]
+            hooks.append(head.register_forward_pre_hook(lambda _, args: head_input.append(args[0])))
+            try:
+                self.model(probe)
+            finally:
+                for h in hooks:
+                    h.remove()
+            if not head_input:
+                return None
+            x = head_input[0]
+            feeding = [m for m, out in outputs if isinstance(out, torch.Tensor) and out.shape == x.shape
+                       and torch.equal(out, x)]
+            if not feeding:
+                return None
+            found = [names[id(p)] for p in feeding[-1].parameters(recurse=False) if id(p) in names]
+        if not found or not set(found) <= set(self.base):
+            return None
+        logits = self.model(probe).logits
+        self._load({k: -v if k in found else v for k, v in self.base.items()})
+        flipped = self.model(probe).logits
+        scale = float(logits.abs().max()) + 1e-6
+        return found if torch.allclose(flipped, -logits, rtol=1e-4, atol=1e-5 * scale) else None
+
+    def changed(self, seed: int) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        """New weights to push, with what they are, best first: noise in every layer with the logits negated
+        (the greedy tokens change, and so does the KV cache), then the logits negated alone (the body, hence the
+        KV cache, kept: a fallback where the noise happens to undo the negation). A model without such
+        parameters gets stronger and stronger noise, and the checks verify with this model whether it shows."""
+        noisy = self.perturbed(seed)
+        flipped_noisy, flipped_base = self.flipped(noisy), self.flipped(self.base)
+        if flipped_noisy is not None and flipped_base is not None:
+            return [("noise in every matrix and the logits negated", flipped_noisy),
+                    ("the logits negated", flipped_base)]
+        return [(f"noise of {s:g} standard deviations in every matrix", self.perturbed(seed, s))
+                for s in (0.5, 1.0, 2.0)]
+
+    @torch.no_grad()
+    def next_logits(self, state: dict[str, torch.Tensor], prompt: Sequence[int]) -> torch.Tensor:
+        """Logits of the first token generated after `prompt` ([vocab])."""
+        self._load(state)
+        return self.model(torch.tensor([list(prompt)])).logits[0, -1].float()
 
     def _load(self, state: dict[str, torch.Tensor]) -> None:
         if self._loaded is not state:
@@ -152,6 +233,7 @@ class Suite:
         self.s = settings or Settings()
         self.log = log or (lambda _: None)
         self.client = EngineClient(self.url, timeout_s=max(600.0, self.s.timeout_s))
+        self.auth = auth_headers(api_key_from_env())  # an engine with a key (pipelinerl/auth.py) needs it
         self.model_path = model_path
         self.ref = Reference(model_path)
         self._tokenizer = None
@@ -235,11 +317,24 @@ class Suite:
     # --- helpers -------------------------------------------------------------------------------------------
 
     def _make_prompt(self, n: int) -> list[int]:
+        """n random tokens, none EOS; where --model has a tokenizer, none special and each with visible text of
+        its own, so that a model that repeats its input's last token still writes text to cut with stop strings."""
         eos = set(self.info.eos_token_ids) if self.info else set()
         vocab = min(self.ref.vocab_size, self.info.vocab_size if self.info else self.ref.vocab_size)
         g = torch.Generator().manual_seed(7)
-        ids = [int(t) for t in torch.randint(3, vocab, (4 * n,), generator=g) if int(t) not in eos]
-        return ids[:n]
+        ids = [int(t) for t in torch.randint(3, vocab, (64 * n,), generator=g) if int(t) not in eos]
+        try:
+            tokenizer = self._local_tokenizer()
+        except Skipped:
+            return ids[:n]
+        special = set(tokenizer.all_special_ids)
+
+        def visible(t: int) -> bool:
+            text = tokenizer.decode([t], skip_special_tokens=True)
+            return t not in special and bool(text.strip()) and "\ufffd" not in text
+
+        shown = [t for t in ids if visible(t)]
+        return shown[:n] if len(shown) >= n else ids[:n]
 
     def _greedy(self, max_new: int, **kw: Any) -> Completion:
         return self.client.generate(self.prompt, temperature=0, max_new_tokens=max_new, ignore_eos=True,
@@ -254,9 +349,10 @@ class Suite:
 
     def _post(self, path: str, body: Any = None, content: bytes | None = None) -> httpx.Response:
         if content is not None:
-            return httpx.post(f"{self.url}{path}", content=content, headers={"content-type": "application/json"},
+            return httpx.post(f"{self.url}{path}", content=content,
+                              headers={"content-type": "application/json", **self.auth},
                               timeout=60)
-        return httpx.post(f"{self.url}{path}", json=body, timeout=60)
+        return httpx.post(f"{self.url}{path}", json=body, timeout=60, headers=self.auth)
 
     def _per_token(self) -> float:
         """Seconds per token of one greedy sequence on this engine (measured once)."""
@@ -267,7 +363,7 @@ class Suite:
         return self._per_token_s
 
     def _checksums(self) -> dict[str, str] | None:
-        r = httpx.get(f"{self.url}/v1/weights/checksum", timeout=120)
+        r = httpx.get(f"{self.url}/v1/weights/checksum", timeout=120, headers=self.auth)
         if r.status_code == 501:
             return None
         expect(r.status_code == 200, f"GET /v1/weights/checksum answered {r.status_code}: {r.text[:200]}")
@@ -286,7 +382,7 @@ class Suite:
                f"info.vocab_size {info.vocab_size}, the local model has {self.ref.vocab_size}")
         expect(info.max_model_len > len(self.prompt) + 8, f"info.max_model_len {info.max_model_len} is too small")
         expect(info.max_running_seqs >= 1, "info.max_running_seqs must be at least 1")
-        m = httpx.get(f"{self.url}/metrics", timeout=10)
+        m = httpx.get(f"{self.url}/metrics", timeout=10, headers=self.auth)
         expect(m.status_code == 200 and "pipelinerl_weight_version" in m.text,
                "/metrics must be Prometheus text with pipelinerl_weight_version")
         self.version = info.weight_version
@@ -305,13 +401,38 @@ class Suite:
         expect(c.finish_reason == "length", f"finish_reason {c.finish_reason!r} at max_new_tokens, expected length")
         expect(set(c.versions) == {self.version}, f"versions {sorted(set(c.versions))}, weights are {self.version}")
         expect(all(lp <= 1e-6 for lp in c.logprobs), "log-probs must be <= 0")
-        kw = dict(temperature=1.0, max_new_tokens=8, ignore_eos=True, n=3, seed=11)
+        n = min(3, self.info.max_running_seqs)  # more samples than the running limit are refused (bad_input)
+        temperature, p_same = self._spread_temperature(n)
+        kw = dict(temperature=temperature, max_new_tokens=8, ignore_eos=True, n=n, seed=11)
         a = self.client.generate(self.prompt, **kw).completions
         b = self.client.generate(self.prompt, **kw).completions
-        expect(len(a) == 3, f"{len(a)} completions for n=3")
+        expect(len(a) == n, f"{len(a)} completions for n={n}")
         expect([x.token_ids for x in a] == [x.token_ids for x in b], "the same seed gave different samples")
-        expect(len({tuple(x.token_ids) for x in a}) > 1, "the n=3 samples of one prompt are all identical")
-        return ""
+        # n independent samples are all identical with probability at most p_same (their first tokens are, by
+        # the rescoring's distribution), so requests with other seeds are drawn until a correct engine fails with
+        # probability below 1e-9; an engine that copies one sample n times fails every time.
+        if n < 2 or p_same > 0.5:
+            return (f"samples not compared: n={n}, and at temperature {temperature:g} the samples' first tokens "
+                    f"all agree with probability {p_same:.3g} (a confident model)")
+        requests = max(1, math.ceil(math.log(1e-9) / math.log(max(p_same, 1e-300))))
+        for i in range(requests):
+            samples = a if i == 0 else self.client.generate(self.prompt, **{**kw, "seed": 12 + i}).completions
+            if len({tuple(x.token_ids) for x in samples}) > 1:
+                return f"n={n} samples at temperature {temperature:g} differ (request {i + 1})"
+        raise CheckFailed(f"the n={n} samples of one prompt were all identical in {requests} requests with different "
+                          f"seeds at temperature {temperature:g}; independent samples are with probability at most "
+                          f"{p_same:.3g} each time")
+
+    def _spread_temperature(self, n: int) -> tuple[float, float]:
+        """The lowest temperature (from 1 up to the contract's 100) at which n samples of the prompt's first
+        token all agree with probability at most 0.05 by this model's rescoring (or 100 if none), and that
+        probability. A confident model needs a high one: at temperature 1 its samples are all the same."""
+        logits = self.ref.next_logits(self.state, self.prompt)
+        for temperature in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 100.0):
+            p_same = float(torch.softmax(logits / temperature, -1).double().pow(n).sum())
+            if p_same <= 0.05:
+                break
+        return temperature, p_same
 
     def check_logprobs_greedy(self) -> str:
         c = self._greedy(24)
@@ -432,7 +553,7 @@ class Suite:
 
     def check_queueing(self) -> str:
         n = min(self.info.max_running_seqs + 8, 264)
-        with ThreadPoolExecutor(n) as pool, httpx.Client(base_url=self.url, timeout=600,
+        with ThreadPoolExecutor(n) as pool, httpx.Client(base_url=self.url, timeout=600, headers=self.auth,
                                                          limits=httpx.Limits(max_connections=n + 8)) as http:
             def one(i: int) -> httpx.Response:
                 body = {"prompt_token_ids": self.prompt[: 2 + i % 4],
@@ -585,9 +706,24 @@ class Suite:
                    f"bucket_bytes={bb}: versions {sorted(set(after.versions))}, expected {self.version}")
         return f"bucket_bytes {sizes}"
 
+    def _separating_weights(self, seed: int) -> tuple[str, dict[str, torch.Tensor]]:
+        """New weights (and what they are) under which the greedy first token after the prompt provably changes:
+        no token within 2 x atol of the best one under the current weights is within 2 x atol of the best one
+        under the new (by this model's rescoring), so no engine that passes the log-prob checks can give the same
+        first token under both."""
+        margin = 2 * self.s.atol
+        old = torch.log_softmax(self.ref.next_logits(self.state, self.prompt), -1)
+        old_best = set(torch.nonzero(old >= old.max() - margin)[:, 0].tolist())
+        for what, state in self.ref.changed(seed):
+            new = torch.log_softmax(self.ref.next_logits(state, self.prompt), -1)
+            if not old_best & set(torch.nonzero(new >= new.max() - margin)[:, 0].tolist()):
+                return what, state
+        raise Skipped("no weights found that change the greedy first token of this model (its next-token "
+                      f"log-probs after the prompt are flat within {margin:g})")
+
     def check_update_changes(self) -> str:
         before = self._greedy(24)
-        new = self.ref.perturbed(seed=1)
+        what, new = self._separating_weights(seed=1)
         resp = self._push(new)
         expect(resp.version == self.version, f"update answered version {resp.version}, sent {self.version}")
         info = self.client.info()
@@ -600,15 +736,15 @@ class Suite:
         expect(problem is None, f"after the update: {problem}")
         sums = self._checksums()
         if sums is None:
-            return "checksum route not implemented (501); outputs compared instead"
+            return f"checksum route not implemented (501); outputs compared instead ({what})"
         from pipelinerl.engines.embedded.engine import tensor_checksums
 
         local = tensor_checksums(dict(self.ref.named(new)))
         if not set(local) <= set(sums):
-            return "checksums use other parameter names than the model's; outputs compared instead"
+            return f"checksums use other parameter names than the model's; outputs compared instead ({what})"
         wrong = [n for n, h in local.items() if sums[n] != h]
         expect(not wrong, f"checksums differ from the pushed weights for {wrong[:3]}")
-        return "outputs and checksums match the pushed weights"
+        return f"outputs and checksums match the pushed weights ({what})"
 
     def _long_run(self) -> tuple[int, float]:
         """(tokens, seconds) of a long greedy generation on this engine, measured once: the in-flight and abort
@@ -629,11 +765,13 @@ class Suite:
         if self.state is not self.ref.base:
             self._push(self.ref.base)
         old = self.ref.base
-        new = self.ref.perturbed(seed=2)
+        candidates = self.ref.changed(seed=2)
+        what, new = candidates.pop(0)
         steps, seconds = self._long_run()
         delay = 0.35 * seconds
         landed: list[int] = []
-        for _ in range(5):  # on a busy machine the timing of a generation varies: retry with another delay
+        timing_tries = 5  # on a busy machine the timing of a generation varies: retry with another delay
+        while timing_tries > 0:
             old_version = self.version
             thread, result = _background(lambda: self._greedy(steps))
             time.sleep(delay)
@@ -647,6 +785,7 @@ class Suite:
             landed.append(switch)
             if not 0 < switch < steps - 10:  # the update landed before or after the generation: time it again
                 delay = delay * (2.0 if switch == 0 else 0.4)
+                timing_tries -= 1
                 self._push(self.ref.base)
                 continue
             expect(c.versions == [old_version] * switch + [new_version] * (steps - switch),
@@ -655,10 +794,17 @@ class Suite:
                                self.s.atol)
             expect(problem is None, f"switch at token {switch}: {problem} (expected: old weights before the switch, "
                                     "new weights after it, attending to the KV cache computed before it)")
-            old_tail = self.ref.logits(old, self.prompt, c.token_ids)[switch:].argmax(-1).tolist()
-            expect(old_tail != c.token_ids[switch:], "tokens after the switch are what the old weights give")
-            self._push(self.ref.base)
-            return f"switched at token {switch} of {steps} (tries landed at {landed})"
+            self._push(self.ref.base)  # the original weights back after every try
+            tail = Completion(token_ids=c.token_ids[switch:], logprobs=c.logprobs[switch:],
+                              versions=c.versions[switch:], finish_reason=c.finish_reason)
+            if mismatch(tail, self.ref.logits(old, self.prompt, c.token_ids)[switch:], 0, 2 * self.s.atol) is not None:
+                return f"switched at token {switch} of {steps} (tries landed at {landed}; new weights: {what})"
+            # The old weights give these tokens and log-probs too: this update cannot tell whether the engine
+            # switched (an engine that kept the old weights would pass). Weights that change more, if any.
+            if not candidates:
+                raise Skipped(f"no weights found whose tokens after a switch differ from the old weights' (last: "
+                              f"{what}): the model's next-token log-probs are flat")
+            what, new = candidates.pop(0)
         raise CheckFailed(f"could not land an update inside a {steps}-token generation: tries landed at {landed}")
 
     def check_refused_update(self) -> str:
