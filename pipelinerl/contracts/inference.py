@@ -2,14 +2,25 @@
 
 These pydantic models are the single source of the contract; `contracts/openapi.json` is generated from
 them (`make openapi`) and `contracts/README.md` explains the semantics. Every request model forbids unknown
-fields, so a typo is an error naming the field instead of a silently ignored option.
+fields, so a typo is an error naming the field instead of a silently ignored option, and takes every number
+and boolean as the JSON type the schema gives it (no `"5"` or `1.0` for an integer, no `0` for a boolean).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+)
 
 CONTRACT_VERSION = "1.1"
 
@@ -21,6 +32,21 @@ MAX_STOP_STRING_CHARS = 256
 # One stop string: a non-empty string of at most MAX_STOP_STRING_CHARS characters (bounded, so that the engines'
 # per-token check stays cheap)
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+# Request fields take the JSON type the schema documents, not what pydantic's lax mode would coerce into it: a
+# server that took `"seed": false` or `"max_new_tokens": "5"` would not match its own OpenAPI document, and a
+# client's type bug would go unnoticed. Numbers also exclude NaN and infinities (Python's JSON parser reads
+# `NaN` and `1e999`), which no constraint would catch (NaN compares false) and no engine can use. Integers and
+# booleans: pydantic's StrictInt and StrictBool.
+# A JSON number: integers too (`"temperature": 1`), never a string or a boolean, always finite.
+Number = Annotated[float, Strict(), AllowInfNan(False)]
+# Bounded: torch's generators take seeds below 2**64 (an engine adds the sample index to the request's seed), and
+# this is the largest integer that every JSON parser, and the schema's `maximum`, carry exactly.
+MAX_SEED = 2**53 - 1
+# Temperatures this close to 0 are greedy decoding, as in vLLM (its _SAMPLING_EPS): logits divided by one overflow
+# float32 (below ~1e-38 the divisor itself is subnormal and the log-probs come out NaN)
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class _Strict(BaseModel):
@@ -31,7 +57,7 @@ class _Strict(BaseModel):
 
 
 class SamplingParams(_Strict):
-    """How tokens are drawn. `temperature: 0` is greedy decoding.
+    """How tokens are drawn. `temperature: 0` is greedy decoding, and so is any temperature below 1e-5.
 
     The log-probability reported for a sampled token is log softmax(logits / temperature) at that token
     (temperature 1 when greedy), before top-k and top-p truncation: the trainer can recompute it from the
@@ -43,21 +69,27 @@ class SamplingParams(_Strict):
     token. See contracts/README.md.
     """
 
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    max_new_tokens: int = Field(16, ge=1, le=1_000_000)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
+    temperature: Number = Field(1.0, ge=0.0, le=100.0, description="0 (or below 1e-5): greedy")
+    top_p: Number = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(0, ge=0, description="0 disables top-k")
+    max_new_tokens: StrictInt = Field(16, ge=1, le=1_000_000)
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
                                    description="stop strings, matched in the decoded generated text; the token "
                                                "that completes one is kept (needs an engine with a tokenizer)")
-    ignore_eos: bool = Field(False, description="if false, the model's EOS token ids also stop generation")
-    n: int = Field(1, ge=1, le=1024, description="samples drawn for the prompt")
-    seed: int | None = Field(None, ge=0, description="makes sampling reproducible for this request")
+    ignore_eos: StrictBool = Field(False, description="if false, the model's EOS token ids also stop generation")
+    n: StrictInt = Field(1, ge=1, le=1024, description="samples drawn for the prompt")
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = Field(
+        None, description="makes sampling reproducible for this request")
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_near_zero(cls, temperature: float) -> float:
+        return 0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature
 
 
 class GenerateRequest(_Strict):
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    prompt_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(min_length=1)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     request_id: str | None = Field(None, max_length=256, description="for /v1/abort; generated if absent")
 
@@ -86,18 +118,27 @@ class InitWeightUpdateGroupRequest(_Strict):
     """
 
     master_address: str = Field(min_length=1)
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
+    master_port: StrictInt = Field(ge=1, le=65535)
+    rank_offset: StrictInt = Field(ge=1)
+    world_size: StrictInt = Field(ge=2, description="more than rank_offset: the engine's ranks are in the group")
     backend: Literal["nccl", "gloo"] = "nccl"
     group_name: str = Field("weight_update", min_length=1)
-    timeout_s: float = Field(120.0, gt=0)
+    # bounded: a day is ample, and not every float is a duration (a timedelta overflows past ~8.6e13 s)
+    timeout_s: Number = Field(120.0, gt=0, le=86_400.0)
+
+    @field_validator("world_size")
+    @classmethod
+    def _holds_the_engine(cls, world_size: int, info: ValidationInfo) -> int:
+        rank_offset = info.data.get("rank_offset")
+        if rank_offset is not None and rank_offset >= world_size:
+            raise ValueError(f"rank_offset {rank_offset} is not a rank of a group of {world_size}")
+        return world_size
 
 
 class ParamSpec(_Strict):
     name: str = Field(min_length=1)
     dtype: DType
-    shape: list[Annotated[int, Field(ge=0)]]
+    shape: list[Annotated[StrictInt, Field(ge=0)]]
 
 
 class UpdateWeightsRequest(_Strict):
@@ -110,10 +151,10 @@ class UpdateWeightsRequest(_Strict):
     refused with 4xx after the broadcast is drained, leaving the weights exactly as they were.
     """
 
-    version: int = Field(ge=0)
+    version: StrictInt = Field(ge=0)
     params: list[ParamSpec] = Field(min_length=1)
     group_name: str = Field("weight_update", min_length=1)
-    bucket_bytes: int = Field(0, ge=0, description="0: one broadcast per tensor; >0: packed byte buckets")
+    bucket_bytes: StrictInt = Field(0, ge=0, description="0: one broadcast per tensor; >0: packed byte buckets")
 
 
 class UpdateWeightsResponse(_Strict):
@@ -171,20 +212,28 @@ class ErrorResponse(_Strict):
 # --- OpenAI-style text completions (for standard clients and eval tools) -------------------------------------
 
 
+def _one_string_a_list_or_null(schema: dict[str, Any]) -> None:
+    """The schema of a list field whose validator also takes one string or null (`CompletionsRequest.stop`): the
+    list's schema as one choice, its items' as another, null as the third."""
+    array = {key: schema.pop(key) for key in ("type", "items", "minItems", "maxItems") if key in schema}
+    schema["anyOf"] = [array["items"], array, {"type": "null"}]
+
+
 class CompletionsRequest(BaseModel):
     """The subset of OpenAI's /v1/completions that the engines serve; unknown OpenAI options are ignored."""
 
     model: str | None = None
-    prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1, le=1_000_000)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    n: int = Field(1, ge=1, le=1024)
-    seed: int | None = Field(None, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=1)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    max_tokens: StrictInt = Field(16, ge=1, le=1_000_000)
+    temperature: Number = Field(1.0, ge=0.0, le=100.0)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(0, ge=0)
+    n: StrictInt = Field(1, ge=1, le=1024)
+    seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=1)] | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
+                                   json_schema_extra=_one_string_a_list_or_null,
                                    description="stop strings: one string or a list (OpenAI style); the text ends at "
                                                "the end of the first one generated, which it includes")
 

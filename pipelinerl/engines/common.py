@@ -132,6 +132,32 @@ def versions_from_spans(spans: Sequence[tuple[int, int, int]] | None, n_tokens: 
     return out  # type: ignore[return-value]
 
 
+class GeneratedTextTokenizer:
+    """A tokenizer as /v1/completions uses it (encode the prompts, decode and name the generated tokens), safe for
+    every id the model can generate. A model's embedding may have more rows than its tokenizer has tokens
+    (Qwen2.5's 152064 rows, 151665 tokens), and a sampled id past the tokenizer's has no string: transformers
+    names it None, which the response cannot carry, and a slow tokenizer's decode raises on it. Such an id reads
+    as "" in `logprobs.tokens` and adds nothing to the text, as a fast tokenizer's decode already treats it."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._size = len(tokenizer)  # ids 0 .. size - 1 are the tokenizer's, added tokens included
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [name if isinstance(name, str) else "" for name in self._names(ids)]
+
+    def decode(self, ids: list[int], **kwargs) -> str:
+        return self._tokenizer.decode([i for i, name in zip(ids, self._names(ids)) if name is not None], **kwargs)
+
+    def _names(self, ids: list[int]) -> list[str | None]:
+        """Each id's token string, None where the tokenizer has none (past its ids, or a gap in them)."""
+        names = iter(self._tokenizer.convert_ids_to_tokens([i for i in ids if 0 <= i < self._size]))
+        return [next(names) if 0 <= i < self._size else None for i in ids]
+
+
 async def completions_via_generate(req: CompletionsRequest, tokenizer, model_name: str,
                                    generate: Callable[[GenerateRequest], Awaitable[GenerateResponse]]
                                    ) -> CompletionsResponse:
@@ -141,6 +167,7 @@ async def completions_via_generate(req: CompletionsRequest, tokenizer, model_nam
 
     if tokenizer is None:
         raise ContractError(400, "this engine has no tokenizer; use /v1/generate with token ids", "prompt")
+    tokenizer = GeneratedTextTokenizer(tokenizer)
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     if not prompts:
         raise ContractError(400, "prompt: must not be empty", "prompt")

@@ -75,6 +75,7 @@ def _truncate(logp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     cum = sorted_logp.exp().cumsum(-1)
     # keep the smallest prefix whose mass reaches top_p (the token that crosses it stays)
     drop |= (cum - sorted_logp.exp()) >= top_p[:, None]
+    drop[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0 in float32 would drop all)
     sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
     return torch.empty_like(logp).scatter_(1, order, sorted_logp)
 
