@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipelinerl.config import RunConfig, load_config
-from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
+from pipelinerl.contracts.inference import GenerateRequest, GenerateResponse, SamplingParams
 from pipelinerl.engines.client import AsyncEngineClient
 from pipelinerl.procs import role_arguments
 from pipelinerl.rewards import RewardPool, RewardResult
@@ -37,6 +37,7 @@ from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import reward_item, task_from_config
 
+ENGINE_RETRY_S = 2.0  # how long an engine that could not be reached gets no requests before it is tried again
 log = logging.getLogger("pipelinerl.actor")
 
 
@@ -82,9 +83,11 @@ class Actor:
         self.done = False
         # groups_dropped_*: dropped by dynamic sampling (`dynamic_sampling_drop`)
         self.counts = {"groups_started": 0, "groups_streamed": 0, "groups_dropped_all_correct": 0,
-                       "groups_dropped_all_wrong": 0, "groups_failed": 0, "samples_streamed": self.streamed}
+                       "groups_dropped_all_wrong": 0, "groups_failed": 0, "samples_streamed": self.streamed,
+                       "requests_resent": 0}
         self.started = time.monotonic()
         self.launch_id = uuid.uuid4().hex[:8]
+        self.down_until: dict[str, float] = {}  # engine URL -> until when it is not sent requests
 
     # --- the loop --------------------------------------------------------------------------------------------
 
@@ -176,12 +179,11 @@ class Actor:
     async def _generate_and_score(self, problem: dict) -> list[Sample]:
         cfg = self.cfg
         prompt_ids = self.tokenizer.encode(self.task.prompt(problem))
-        engine = min(self.engines, key=lambda e: e.in_flight)
         t0 = time.monotonic()
         req = GenerateRequest(prompt_token_ids=prompt_ids, sampling=SamplingParams(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
             max_new_tokens=cfg.sampling.max_new_tokens, n=cfg.sampling.group_size, stop=list(cfg.sampling.stop)))
-        resp = await engine.generate(req)
+        resp = await self._generate_on_a_live_engine(req)
         t_gen = time.monotonic() - t0
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in resp.completions]
         items = [reward_item(problem, text, c.finish_reason) for text, c in zip(texts, resp.completions)]
@@ -191,6 +193,29 @@ class Actor:
         group_id = f"{problem.get('id', 'p')}-{self.launch_id}-{self.counts['groups_started']}"
         return [self._sample(group_id, prompt_ids, c, r, {"generate_s": t_gen, "reward_s": t_reward})
                 for c, r in zip(resp.completions, results)]
+
+    async def _generate_on_a_live_engine(self, req: GenerateRequest) -> GenerateResponse:
+        """The request on the least busy engine that is up. An engine that cannot be reached (it died; its
+        launcher restarts it) is left alone for ENGINE_RETRY_S and the request goes to another one, from the
+        start: a group is generated whole by one engine. Waits while every engine is down, up to
+        `engine.restart_wait_s`."""
+        deadline = time.monotonic() + self.cfg.engine.restart_wait_s
+        while True:
+            now = time.monotonic()
+            live = [e for e in self.engines if self.down_until.get(e.url, 0.0) <= now]
+            if not live:
+                if now > deadline:
+                    raise ConnectionError(f"no engine reachable for {self.cfg.engine.restart_wait_s:g} s "
+                                          "(engine.restart_wait_s)")
+                await asyncio.sleep(0.5)
+                continue
+            engine = min(live, key=lambda e: e.in_flight)
+            try:
+                return await engine.generate(req)
+            except ConnectionError as e:
+                self.down_until[engine.url] = time.monotonic() + ENGINE_RETRY_S
+                self.counts["requests_resent"] += 1
+                log.warning("%s; sending the request to another engine", e)
 
     def _sample(self, group_id: str, prompt_ids: list[int], completion, result: RewardResult,
                 timings: dict[str, float]) -> Sample:

@@ -85,9 +85,16 @@ class EngineConfig:
     # GPUs per engine, split by tensor parallelism (vLLM --tensor-parallel-size, SGLang --tp-size); every one of
     # an engine's workers is a rank of the weight-update group. The embedded engine runs on one device.
     tensor_parallel_size: int = 1
+    # An engine that dies is restarted by its launcher, up to max_restarts times each (0: a dead engine stops the
+    # run); the trainer waits up to restart_wait_s for it to come back, then re-forms the weight-update group and
+    # gives it the current weights; the actor sends the dead engine's requests to the others meanwhile
+    max_restarts: int = 3
+    restart_wait_s: float = 900.0
 
     def __post_init__(self) -> None:
         _check_choice(self.kind, ENGINES, "engine.kind")
+        _check(self.max_restarts >= 0, "engine.max_restarts", "must be >= 0 (0: a dead engine stops the run)")
+        _check(self.restart_wait_s > 0, "engine.restart_wait_s", "must be > 0")
         _check(self.tensor_parallel_size >= 1, "engine.tensor_parallel_size", "must be at least 1")
         _check(self.kind != "embedded" or self.tensor_parallel_size == 1, "engine.tensor_parallel_size",
                "the embedded engine runs on one device; use engine.kind vllm or sglang for tensor parallelism")

@@ -53,6 +53,7 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
     """Score k samples per problem (1 greedy sample with `greedy`); returns the summary (the mean over
     benchmarks), one entry per benchmark (problems grouped by their "source"), per-problem rows and the settings."""
     engines = [AsyncEngineClient(u) for u in engine_urls]
+    gone: set[str] = set()
     sem = asyncio.Semaphore(concurrency)
     n = 1 if greedy else k
     stop = list(stop or [])
@@ -67,7 +68,16 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
             temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
             n=n, stop=stop, seed=None if seed is None else seed + 1000 * index))
         async with sem:
-            resp = await min(engines, key=lambda e: e.in_flight).generate(req)
+            while True:  # an engine that cannot be reached is left out of this evaluation (a restarted one
+                live = [e for e in engines if e.url not in gone]  # has not had the weights being evaluated)
+                if not live:
+                    raise ConnectionError(f"no engine of {engine_urls} reachable for the evaluation")
+                engine = min(live, key=lambda e: e.in_flight)
+                try:
+                    resp = await engine.generate(req)
+                    break
+                except ConnectionError:
+                    gone.add(engine.url)
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in resp.completions]
         results = await pool.score_async(task.reward_fn, [reward_item(problem, t, c.finish_reason)
                                                           for t, c in zip(texts, resp.completions)])

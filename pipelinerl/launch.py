@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -106,6 +107,9 @@ class Engines:
         self.logs = [log_dir / f"{name}.log" for name in self.names]
         self.port_files = [log_dir / f"{name}.port" for name in self.names]
         self.procs, self.clients = [], []
+        self.max_restarts, self.threads = e.max_restarts, e.threads
+        self.restarts = [0] * len(slots)
+        self._start_args: list[tuple[Callable[[int], list[str]], int, dict[str, str]]] = []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         for slot, log, port_file in zip(slots, self.logs, self.port_files):
             port_file.unlink(missing_ok=True)
@@ -114,7 +118,6 @@ class Engines:
                      "--dtype", cfg.model.dtype, "--port-file", str(port_file)]
             if e.tensor_parallel_size > 1:
                 extra += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
-            cmd = engine_command(str(model_path), slot.port, e.host, e.kind, extra)
             env = slot.env(visible)
             if slot.gpus:
                 env.update(gpu_memory_args(e))
@@ -122,7 +125,12 @@ class Engines:
                 from pipelinerl.engines.sglang import UPDATE_CHUNK_ENV
 
                 env[UPDATE_CHUNK_ENV] = str(cfg.weight_sync.sglang_update_chunk_mb)
-            self.procs.append(start_process(cmd, log, threads=e.threads, env=env))
+
+            def command(port: int, extra: list[str] = extra) -> list[str]:
+                return engine_command(str(model_path), port, e.host, e.kind, extra)
+
+            self._start_args.append((command, slot.port, env))
+            self.procs.append(start_process(command(slot.port), log, threads=e.threads, env=env))
 
     @property
     def pids(self) -> dict[str, int]:
@@ -145,10 +153,27 @@ class Engines:
                 raise RuntimeError(f"{name}: {e}\n--- last lines of {log} ---\n{tail(log)}") from e
 
     def check(self) -> None:
-        for name, proc, log in zip(self.names, self.procs, self.logs):
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}\n--- last lines of "
-                                   f"{log} ---\n{tail(log)}")
+        """Restart an engine that died (on the port it had, so its URL stays), up to `engine.max_restarts` times
+        each; past that, raise naming it with its log's last lines. The trainer re-forms the weight-update group
+        when the engine answers again, and the actor sends its requests to the other engines meanwhile."""
+        for i, (name, proc, log) in enumerate(zip(self.names, self.procs, self.logs)):
+            if proc.poll() is None:
+                continue
+            code = proc.returncode
+            if self.restarts[i] >= self.max_restarts or i >= len(self.clients):
+                limit = f" after {self.restarts[i]} restart(s) (engine.max_restarts={self.max_restarts})" \
+                    if self.restarts[i] else ""
+                raise RuntimeError(f"{name} exited with code {code}{limit}\n--- last lines of {log} ---\n{tail(log)}")
+            self.restarts[i] += 1
+            stop_process(proc)  # whatever it left in its process group (vLLM's workers)
+            command, _, env = self._start_args[i]
+            port = int(urllib.parse.urlsplit(self.clients[i].url).port)
+            with open(log, "a") as f:
+                f.write(f"\n--- pipelinerl: {name} exited with code {code}; restart {self.restarts[i]} of "
+                        f"{self.max_restarts} ---\n")
+            print(f"{name} exited with code {code}; restarting it ({self.restarts[i]} of {self.max_restarts}, "
+                  f"engine.max_restarts), log in {log}", file=sys.stderr, flush=True)
+            self.procs[i] = start_process(command(port), log, threads=self.threads, env=env)
 
     def stop(self) -> None:
         for c in self.clients:

@@ -24,6 +24,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from pipelinerl.config import RunConfig, load_config, resolve_for_machine
+from pipelinerl.contracts.trainer import BroadcastStats
 from pipelinerl.metrics import JsonlAppender, MetricsSink, continue_metrics
 from pipelinerl.placement import detect_gpus
 from pipelinerl.procs import role_arguments
@@ -38,6 +39,7 @@ from pipelinerl.trainer.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from pipelinerl.trainer.publisher import EngineWaitInterrupted
 from pipelinerl.trainer.ranks import host_barrier
 
 log = logging.getLogger("pipelinerl.train")
@@ -71,6 +73,18 @@ class StopSignals:
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+
+def any_rank(trainer: Trainer, flag: bool) -> bool:
+    """Whether `flag` holds on any trainer process (one small all-reduce when there are several)."""
+    if trainer.accelerator.num_processes == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(flag)], device=trainer.accelerator.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
 
 
 class Checkpoints:
@@ -265,6 +279,7 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
     started = time.monotonic() - position.get("elapsed_s", 0.0)
     evaluator = HeldOutEval(cfg, engine_urls, enabled=main and cfg.trainer.eval_every > 0)
     stopped = False
+    engines_rejoined = 0  # engines that died, were restarted and rejoined the weight-update group
     step_position = _position(feed, stale_dropped, started)  # where the stream stands after the last whole step
     try:
         if evaluator.enabled and trainer.version == 0:
@@ -284,8 +299,21 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
             stale_dropped += dropped
             waited = time.monotonic() - last
             stats = trainer.optimizer_step(batch)
-            sync = trainer.broadcast_weights(group, engine_urls)
-            announce(control, {"kind": "version", "version": trainer.version, "consumed": feed.consumed})
+            # an engine that died and was restarted rejoins here, before the broadcast that gives it the weights;
+            # a stop while waiting for it skips the broadcast (on every rank: sharded ones gather together), and
+            # the step is saved as trained
+            interrupted = False
+            try:
+                group, came_back = trainer.ensure_engines(group, engine_urls, cfg.engine.tensor_parallel_size,
+                                                          cfg.engine.restart_wait_s, lambda: stop.requested)
+                engines_rejoined += len(came_back)
+            except EngineWaitInterrupted:
+                interrupted = True
+            interrupted = any_rank(trainer, interrupted)
+            sync = BroadcastStats(trainer.version, 0, 0.0) if interrupted else \
+                trainer.broadcast_weights(group, engine_urls)
+            if not interrupted:
+                announce(control, {"kind": "version", "version": trainer.version, "consumed": feed.consumed})
             now = time.monotonic()
             tokens = sum(len(s.output_token_ids) for s in batch)
             row = {"step": trainer.version, "time": now - started, "samples": len(batch),
@@ -293,6 +321,7 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
                    "samples_per_s": len(batch) / (now - last), "tokens_per_s": tokens / (now - last),
                    "wait_for_samples_s": waited, "broadcast_s": sync.seconds, "broadcast_bytes": sync.bytes,
                    "stale_dropped": stale_dropped, "stream_corrupt": feed.reader.corrupt,
+                   "engines_rejoined": engines_rejoined,
                    "min_version_in_batch": min(s.oldest_version for s in batch),
                    **batch_metrics(batch), **stats}
             step_position = _position(feed, stale_dropped, started)
@@ -300,6 +329,9 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
                 metrics.write(row)
                 audit.write({"step": trainer.version, "trained": sorted({s.group_id for s in batch}),
                              "dropped": feed.take_dropped_groups()})
+            if interrupted:
+                stopped = True
+                break
             if evaluator.enabled and (trainer.version % cfg.trainer.eval_every == 0
                                       or trainer.version == cfg.trainer.max_steps):
                 eval_row = evaluator.run(trainer.version, time.monotonic() - started, feed.consumed)

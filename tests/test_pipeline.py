@@ -199,3 +199,40 @@ def test_sigterm_saves_a_checkpoint_exits_nonzero_and_the_rerun_continues(tmp_pa
     r = launch(run_dir, "trainer.max_steps=" + str(reached + 3), "trainer.save_every_minutes=0.02")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [row["step"] for row in metrics(run_dir)] == list(range(1, reached + 4))
+
+
+def test_a_dead_engine_is_restarted_rejoins_and_the_run_completes(tmp_path):
+    """kill -9 of one of two engines mid-run: the launcher restarts it, the trainer re-forms the weight-update
+    group with it at the current version, the actor sends its requests elsewhere meanwhile; the run completes
+    with every step once and every group trained once, and the restarted engine generates again."""
+    run_dir = tmp_path / "run"
+    steps = 20
+    args = ("engine.num_engines=2", f"trainer.max_steps={steps}", "trainer.save_every_minutes=0")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), TESTS, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(run_args(run_dir, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    _wait_for_step(run_dir, proc, 5)
+    os.killpg(json.loads((run_dir / "pids.json").read_text())["engine1"], signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "engine1 exited with code -9; restarting it (1 of 3" in err
+    rows = [row for row in metrics(run_dir) if "reward_mean" in row]
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert rows[-1]["engines_rejoined"] == 1
+    trained = [g for row in _audit(run_dir) for g in row["trained"]]
+    assert len(trained) == len(set(trained)) == steps * 4
+    restarted = json.loads((run_dir / "engine1_metrics.json").read_text())
+    assert restarted["pipelinerl_weight_version"] == steps, "the restarted engine has the final weights"
+    assert restarted["pipelinerl_generated_tokens_total"] > 0, "the restarted engine generated again"
+
+
+def test_past_its_restart_limit_a_dead_engine_stops_the_run_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), TESTS, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(run_args(run_dir, "engine.num_engines=2", "engine.max_restarts=0",
+                                     "trainer.max_steps=1000"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _wait_for_step(run_dir, proc, 2)
+    os.killpg(json.loads((run_dir / "pids.json").read_text())["engine1"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "engine1 exited with code -9" in err and "last lines of" in err

@@ -79,6 +79,10 @@ def full_shape(p: Tensor) -> tuple[int, ...]:
     return tuple(shape) if shape is not None else tuple(p.shape)
 
 
+class EngineWaitInterrupted(Exception):
+    """A stop was asked for while the trainer waited for a dead engine to come back."""
+
+
 class WeightPublisher:
     """Connects the trainer to engines and sends them its current weights.
 
@@ -130,6 +134,37 @@ class WeightPublisher:
         for f in futures:
             f.result()
         return group
+
+    def ensure_engines(self, group: WeightUpdateGroup | None, engine_urls: Sequence[str], ranks_per_engine: int,
+                       wait_s: float, should_stop: Callable[[], bool] = lambda: False
+                       ) -> tuple[WeightUpdateGroup | None, list[str]]:
+        """Main rank, before a broadcast: if an engine does not answer its health check (it died; the launcher
+        restarts it, `engine.max_restarts`), wait up to `wait_s` for every engine to answer, then form the
+        weight-update group again with all of them (the survivors leave the old group when they join the new
+        one). Returns the group to broadcast on and the URLs that were down (empty: nothing happened); the next
+        broadcast brings the restarted engines to the current weights. Other ranks: (group, []). Raises
+        `EngineWaitInterrupted` when `should_stop` says so while waiting."""
+        if not self.is_main:
+            return group, []
+        down = [u for u in engine_urls if not self.client(u).health()]
+        if not down:
+            return group, []
+        log.warning("engine(s) %s not answering: waiting up to %g s for them to come back, then re-forming the "
+                    "weight-update group", ", ".join(down), wait_s)
+        deadline = time.monotonic() + wait_s
+        while not all(self.client(u).health() for u in engine_urls):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine(s) {', '.join(down)} did not come back within {wait_s:g} s "
+                                   "(engine.restart_wait_s); see their logs in RUN_DIR/logs")
+            if should_stop():
+                raise EngineWaitInterrupted(f"stopped while waiting for engine(s) {', '.join(down)}")
+            time.sleep(0.5)
+        if group is not None:
+            group.destroy()
+        group = self.connect(engine_urls, ranks_per_engine)
+        log.info("weight-update group re-formed with %d engine(s) after %s came back", len(engine_urls),
+                 ", ".join(down))
+        return group, down
 
     def close(self) -> None:
         for client in self._clients.values():

@@ -24,7 +24,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -245,6 +245,12 @@ class Trainer:
     def connect_engines(self, engine_urls: Sequence[str], ranks_per_engine: int = 1) -> WeightUpdateGroup | None:
         """Form the weight-update group with the engines (main process = rank 0); other ranks get None."""
         return self.publisher.connect(engine_urls, ranks_per_engine)
+
+    def ensure_engines(self, group: WeightUpdateGroup | None, engine_urls: Sequence[str], ranks_per_engine: int = 1,
+                       wait_s: float = 600.0, should_stop: Callable[[], bool] = lambda: False
+                       ) -> tuple[WeightUpdateGroup | None, list[str]]:
+        """See `WeightPublisher.ensure_engines`: re-form the group when an engine died and came back."""
+        return self.publisher.ensure_engines(group, engine_urls, ranks_per_engine, wait_s, should_stop)
 
     def broadcast_weights(self, group: WeightUpdateGroup | None, engine_urls: Sequence[str]) -> BroadcastStats:
         """Send the current weights as version `self.version` to every engine; return once all switched. All
