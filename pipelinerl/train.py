@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from pipelinerl.config import RunConfig, load_config, resolve_for_machine
 from pipelinerl.contracts.trainer import BroadcastStats
+from pipelinerl.engines.client import EngineError
 from pipelinerl.metrics import JsonlAppender, MetricsSink, continue_metrics
 from pipelinerl.placement import detect_gpus
 from pipelinerl.procs import role_arguments
@@ -41,6 +42,7 @@ from pipelinerl.trainer.checkpoint import (
 )
 from pipelinerl.trainer.publisher import EngineWaitInterrupted
 from pipelinerl.trainer.ranks import host_barrier
+from pipelinerl.weight_sync import WeightSyncError, WeightUpdateGroup
 
 log = logging.getLogger("pipelinerl.train")
 AUDIT_FILE = "trained_groups.jsonl"
@@ -73,6 +75,24 @@ class StopSignals:
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+
+def push_recovering(trainer: Trainer, group: WeightUpdateGroup | None, engine_urls: list[str], cfg: RunConfig,
+                    should_stop: Callable[[], bool]) -> tuple[WeightUpdateGroup | None, BroadcastStats, int]:
+    """Broadcast the current weights; if that fails because an engine died in the middle (its launcher restarts
+    it), wait for it, re-form the group and broadcast again. Returns the group, the broadcast's stats and how
+    many engines rejoined. A trainer of several processes cannot retry (its ranks gather the parameters
+    together): there the failure stops the run, resumable from the last checkpoint."""
+    try:
+        return group, trainer.broadcast_weights(group, engine_urls), 0
+    except (WeightSyncError, EngineError, OSError) as e:
+        if trainer.accelerator.num_processes > 1:
+            raise
+        log.warning("the weight broadcast failed (%s: %s); waiting for the engines, then trying again",
+                    type(e).__name__, e)
+    group, came_back = trainer.ensure_engines(group, engine_urls, cfg.engine.tensor_parallel_size,
+                                              cfg.engine.restart_wait_s, should_stop, force=True)
+    return group, trainer.broadcast_weights(group, engine_urls), max(1, len(came_back))
 
 
 def any_rank(trainer: Trainer, flag: bool) -> bool:
@@ -310,8 +330,14 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
             except EngineWaitInterrupted:
                 interrupted = True
             interrupted = any_rank(trainer, interrupted)
-            sync = BroadcastStats(trainer.version, 0, 0.0) if interrupted else \
-                trainer.broadcast_weights(group, engine_urls)
+            sync = BroadcastStats(trainer.version, 0, 0.0)
+            if not interrupted:
+                try:
+                    group, sync, rejoined = push_recovering(trainer, group, engine_urls, cfg,
+                                                            lambda: stop.requested)
+                    engines_rejoined += rejoined
+                except EngineWaitInterrupted:  # (one trainer process: push_recovering retries only there)
+                    interrupted = True
             if not interrupted:
                 announce(control, {"kind": "version", "version": trainer.version, "consumed": feed.consumed})
             now = time.monotonic()

@@ -76,3 +76,50 @@ def test_an_engine_stalled_mid_update_fails_the_push_by_the_timeout(tiny_model_d
     print(f"stalled engine: {type(error).__name__} after {seconds:.2f} s: {error}")
     assert isinstance(error, WeightSyncTimeout) and f"'{GROUP}'" in str(error), error
     assert TIMEOUT_S - 1 <= seconds < TIMEOUT_S + 5, f"the push failed after {seconds:.1f} s, timeout {TIMEOUT_S} s"
+
+
+def test_a_push_to_a_dead_engine_waits_for_its_restart_and_reaches_both_engines(tiny_model_dir, tmp_path):
+    """The trainer's recovery (`train.push_recovering`): one of two engines is killed, its push fails, a new
+    engine comes up on the same port (as the launcher restarts it); the trainer re-forms the weight-update group
+    with both and the push reaches both, bit for bit."""
+    import shlex
+    import urllib.parse
+
+    from pipelinerl.config import RunConfig, WeightSyncConfig
+    from pipelinerl.engines.embedded.engine import tensor_checksums
+    from pipelinerl.procs import engine_command, start_process, stop_process
+    from pipelinerl.train import push_recovering
+    from pipelinerl.trainer import Trainer
+
+    cfg = RunConfig()
+    cfg.engine.restart_wait_s = 120
+    trainer = Trainer(str(tiny_model_dir), cfg.trainer, WeightSyncConfig(master_port=0, timeout_s=TIMEOUT_S))
+    with running_engine(tiny_model_dir, tmp_path) as first, running_engine(tiny_model_dir, tmp_path) as second:
+        urls = [first.url, second.url]
+        group = trainer.connect_engines(urls)
+        port = urllib.parse.urlsplit(second.url).port
+        os.killpg(second.process.pid, signal.SIGKILL)
+        second.process.wait(timeout=30)
+        # the launcher's part: a new engine on the same port, a second after the push failed. Started from this
+        # thread, delayed by the shell: a child started by a thread that ends gets its death signal then
+        # (PR_SET_PDEATHSIG follows the thread), as start_process asks the kernel to
+        cmd = engine_command(str(tiny_model_dir), port, extra=["--port-file", str(tmp_path / "restarted.port")])
+        replacement = [start_process(["bash", "-c", f"sleep 1 && exec {shlex.join(cmd)}"],
+                                     tmp_path / "restarted.log", threads=1)]
+        try:
+            trainer._version = 7  # as if 7 steps were taken: the version the engines must end at
+            group, stats, rejoined = push_recovering(trainer, group, urls, cfg, lambda: False)
+            assert rejoined == 1 and stats.version == 7
+            want = {n: t for n, t in trainer.full_parameters()}
+            for url in urls:
+                client = EngineClient(url)
+                assert client.info().weight_version == 7
+                sums = client._http.get("/v1/weights/checksum").json()["checksums"]
+                assert all(sums[n] == c for n, c in tensor_checksums(want).items()), url
+                client.close()
+        finally:
+            if group is not None:
+                group.destroy()
+            trainer.close()
+            for proc in replacement:
+                stop_process(proc)

@@ -136,7 +136,7 @@ class WeightPublisher:
         return group
 
     def ensure_engines(self, group: WeightUpdateGroup | None, engine_urls: Sequence[str], ranks_per_engine: int,
-                       wait_s: float, should_stop: Callable[[], bool] = lambda: False
+                       wait_s: float, should_stop: Callable[[], bool] = lambda: False, force: bool = False
                        ) -> tuple[WeightUpdateGroup | None, list[str]]:
         """Main rank, before a broadcast: if an engine does not answer its health check (it died; the launcher
         restarts it, `engine.max_restarts`), wait up to `wait_s` for every engine to answer, then form the
@@ -147,7 +147,7 @@ class WeightPublisher:
         if not self.is_main:
             return group, []
         down = [u for u in engine_urls if not self.client(u).health()]
-        if not down:
+        if not down and not force:  # `force`: a broadcast just failed, so re-form the group even if all answer
             return group, []
         log.warning("engine(s) %s not answering: waiting up to %g s for them to come back, then re-forming the "
                     "weight-update group", ", ".join(down), wait_s)

@@ -247,10 +247,10 @@ class Trainer:
         return self.publisher.connect(engine_urls, ranks_per_engine)
 
     def ensure_engines(self, group: WeightUpdateGroup | None, engine_urls: Sequence[str], ranks_per_engine: int = 1,
-                       wait_s: float = 600.0, should_stop: Callable[[], bool] = lambda: False
+                       wait_s: float = 600.0, should_stop: Callable[[], bool] = lambda: False, force: bool = False
                        ) -> tuple[WeightUpdateGroup | None, list[str]]:
         """See `WeightPublisher.ensure_engines`: re-form the group when an engine died and came back."""
-        return self.publisher.ensure_engines(group, engine_urls, ranks_per_engine, wait_s, should_stop)
+        return self.publisher.ensure_engines(group, engine_urls, ranks_per_engine, wait_s, should_stop, force)
 
     def broadcast_weights(self, group: WeightUpdateGroup | None, engine_urls: Sequence[str]) -> BroadcastStats:
         """Send the current weights as version `self.version` to every engine; return once all switched. All
