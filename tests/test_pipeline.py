@@ -157,7 +157,8 @@ def test_a_trainer_killed_at_a_random_step_resumes_losing_at_most_one_interval(t
     assert r.returncode == 0, r.stderr[-3000:]
     resumed = [int(v) for v in re.findall(r"resumed from \S+ at version (\d+)",
                                            (run_dir / "logs" / "trainer.log").read_text())]
-    assert resumed and 0 < reached - resumed[-1] <= interval, (kill_at, reached, resumed)
+    # (0 when the kill landed just after the checkpoint of the step it reached)
+    assert resumed and 0 <= reached - resumed[-1] <= interval, (kill_at, reached, resumed)
     assert [row["step"] for row in metrics(run_dir)] == list(range(1, steps + 1))
 
     audit = _audit(run_dir)
