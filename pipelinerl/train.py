@@ -284,7 +284,7 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
         metrics = MetricsSink(run_dir, cfg.metrics, OmegaConf.to_container(OmegaConf.structured(cfg)),
                               resume_version=trainer.version)
         # which groups each step trained on and dropped: a resume can be audited to redo no step twice and lose
-        # no group (tests/test_resume.py)
+        # no group (tests/test_pipeline.py)
         continue_metrics(run_dir, trainer.version, AUDIT_FILE)
         audit = JsonlAppender(run_dir / AUDIT_FILE)
     checkpoints = Checkpoints(trainer, run_dir, saved_version=trainer.version)
