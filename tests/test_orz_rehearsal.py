@@ -1,7 +1,6 @@
 """The CPU rehearsal of the Open-Reasoner-Zero path (recipes/orz_cpu.yaml): problems read from files in ORZ's
 formats, ORZ's prompt template, stop strings ending generations at `</answer>` (kept, finish_reason "stop"),
-the ORZ reward, PPO with a critic, per-benchmark evaluation with its own sampling settings, plots; the reward
-rises and the critic's loss falls."""
+the ORZ reward, per-benchmark evaluation with its own sampling settings, plots; and the reward rises."""
 
 import json
 import os
@@ -25,7 +24,7 @@ def _samples(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # about 10 minutes on 2 cores: a 300-step warm-up, then 150 RL steps with a critic
+@pytest.mark.timeout(1200)  # about 8 minutes on 2 cores (a 300-step warm-up, then 150 RL steps); room for a busy CI
 def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path):
     data = tmp_path / "data"
     write_synthetic_orz(data)
@@ -54,18 +53,7 @@ def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path):
     # reward rises (ORZ's: 1 for a correct \boxed{} in the <answer> block of an output that stopped)
     first = sum(row["reward_mean"] for row in steps[:15]) / 15
     last = sum(row["reward_mean"] for row in steps[-15:]) / 15
-    assert last > first + 0.05, f"reward {first:.3f} -> {last:.3f}"  # measured 0.27 -> 0.40 (critic), 0.35 -> 0.50
-
-    # ORZ's critic trains every step and learns: at the first step its values are 0, so its loss is
-    # 0.5 * E[R^2] = 0.5 * (Var(R) + mean(R)^2); values that know the mean return bring it to 0.5 * Var(R)
-    assert all(row["critic_updates_applied"] == 4 for row in steps)
-
-    def zero_values_loss(row: dict) -> float:
-        return 0.5 * (row["critic_returns_var"] + row["critic_returns_mean"] ** 2)
-
-    first_step = next(row for row in steps if zero_values_loss(row) > 0)  # a step whose returns are not all 0
-    late = sum(row["critic_loss"] for row in steps[-30:]) / sum(zero_values_loss(row) for row in steps[-30:])
-    assert first_step["critic_loss"] / zero_values_loss(first_step) > 0.9 and late < 0.85, (first_step, late)
+    assert last > first + 0.05, f"reward {first:.3f} -> {last:.3f}"  # measured 0.35 -> 0.50
 
     # per-benchmark evaluation, before and after, with the mean over benchmarks
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps[-1]["step"]
