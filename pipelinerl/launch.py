@@ -109,7 +109,7 @@ class Engines:
         self.procs, self.clients = [], []
         self.max_restarts, self.threads = e.max_restarts, e.threads
         self.restarts = [0] * len(slots)
-        self._start_args: list[tuple[Callable[[int], list[str]], int, dict[str, str]]] = []
+        self._start_args: list[tuple[Callable[[int], list[str]], dict[str, str]]] = []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         for slot, log, port_file in zip(slots, self.logs, self.port_files):
             port_file.unlink(missing_ok=True)
@@ -129,7 +129,7 @@ class Engines:
             def command(port: int, extra: list[str] = extra) -> list[str]:
                 return engine_command(str(model_path), port, e.host, e.kind, extra)
 
-            self._start_args.append((command, slot.port, env))
+            self._start_args.append((command, env))
             self.procs.append(start_process(command(slot.port), log, threads=e.threads, env=env))
 
     @property
@@ -166,7 +166,7 @@ class Engines:
                 raise RuntimeError(f"{name} exited with code {code}{limit}\n--- last lines of {log} ---\n{tail(log)}")
             self.restarts[i] += 1
             stop_process(proc)  # whatever it left in its process group (vLLM's workers)
-            command, _, env = self._start_args[i]
+            command, env = self._start_args[i]
             port = int(urllib.parse.urlsplit(self.clients[i].url).port)
             with open(log, "a") as f:
                 f.write(f"\n--- pipelinerl: {name} exited with code {code}; restart {self.restarts[i]} of "
@@ -264,7 +264,8 @@ def run_pipeline(cfg: RunConfig, urls: list[str], run_dir: Path, plan: NodePlan,
     config = str(run_dir / "config.yaml")
     reset_stream(cfg.streams, run_dir, "control")  # control messages are per launch
     # a resumed run redoes the steps after its checkpoint: their old rows go now, before progress reads the file
-    continue_metrics(run_dir, resumed_version(run_dir))
+    resumed_at = resumed_version(run_dir)
+    continue_metrics(run_dir, resumed_at)
     joined = ",".join(urls)
     gpus = plan.trainer_gpus
     no_gpu = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}  # the actor and reward workers never need one
@@ -278,7 +279,7 @@ def run_pipeline(cfg: RunConfig, urls: list[str], run_dir: Path, plan: NodePlan,
     (run_dir / "pids.json").write_text(json.dumps({name: p.pid for name, p in children.items()} | engine_pids))
     metrics_path = run_dir / "metrics.jsonl"
     _, offset = _new_rows(metrics_path, 0)  # a resumed run: show only new steps
-    progress = Progress(cfg.trainer.max_steps, cfg.metrics.log_every_s, resumed_at=resumed_version(run_dir))
+    progress = Progress(cfg.trainer.max_steps, cfg.metrics.log_every_s, resumed_at=resumed_at)
     try:
         while True:
             check()
@@ -332,13 +333,11 @@ class Progress:
                         dynamic_ncols=True, disable=not self.terminal)
         self.started = time.monotonic()
         self.last_line = -math.inf
-        self.last: dict | None = None
 
     def show(self, row: dict) -> None:
         if "eval_accuracy" in row:
             self._print(f"step {row['step']}: held-out pass@1 {row['eval_accuracy']:.3f}")
             return
-        self.last = row
         if self.terminal:
             self.bar.n = row["step"]
             self.bar.set_postfix({"samples/s": f"{row['samples_per_s']:.1f}", "tok/s": f"{row['tokens_per_s']:.0f}",
@@ -496,8 +495,8 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
     rendezvous = NodeRendezvous(node) if node.multi_node else None
     ok = False
     try:
-        done = finished_version(run_dir)
-        if done is not None and done >= cfg.trainer.max_steps:
+        done = resumed_version(run_dir)
+        if done >= cfg.trainer.max_steps:
             print(f"{run_dir} already holds a finished run (version {done} of trainer.max_steps "
                   f"{cfg.trainer.max_steps}); to train more raise trainer.max_steps, to start over use another "
                   "run_dir")
@@ -631,14 +630,6 @@ def run_engine_node(cfg: RunConfig, plan: NodePlan) -> int:
     except (NodeLost, RuntimeError, TimeoutError) as e:
         print(f"pipelinerl: node {node.rank} failed: {e}", file=sys.stderr)
         return 1
-
-
-def finished_version(run_dir: Path) -> int | None:
-    """The weight version of the run directory's last checkpoint, if it has one."""
-    from pipelinerl.trainer.checkpoint import STATE_FILE, latest_checkpoint
-
-    ckpt = latest_checkpoint(run_dir)
-    return json.loads((ckpt / STATE_FILE).read_text())["version"] if ckpt is not None else None
 
 
 def report(run_dir: Path) -> None:

@@ -95,16 +95,16 @@ def push_recovering(trainer: Trainer, group: WeightUpdateGroup | None, engine_ur
     return group, trainer.broadcast_weights(group, engine_urls), max(1, len(came_back))
 
 
-def any_rank(trainer: Trainer, flag: bool) -> bool:
-    """Whether `flag` holds on any trainer process (one small all-reduce when there are several)."""
+def any_rank(trainer: Trainer, *flags: bool) -> list[bool]:
+    """For each flag, whether it holds on any trainer process (one small all-reduce when there are several)."""
     if trainer.accelerator.num_processes == 1:
-        return flag
+        return list(flags)
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([float(flag)], device=trainer.accelerator.device)
+    t = torch.tensor([float(f) for f in flags], device=trainer.accelerator.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    return [v > 0 for v in t.tolist()]
 
 
 class Checkpoints:
@@ -122,15 +122,7 @@ class Checkpoints:
         c, version = self.cfg, self.trainer.version
         by_steps = bool(c.save_every) and version % c.save_every == 0
         by_time = bool(c.save_every_minutes) and time.monotonic() - self.last_save >= 60 * c.save_every_minutes
-        flags = [float(by_steps or by_time), float(stop_requested)]
-        if self.trainer.accelerator.num_processes > 1:
-            import torch
-            import torch.distributed as dist
-
-            t = torch.tensor(flags, device=self.trainer.accelerator.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flags = t.tolist()
-        return flags[0] > 0, flags[1] > 0
+        return tuple(any_rank(self.trainer, by_steps or by_time, stop_requested))
 
     def save(self, position: dict) -> None:
         if self.saved_version == self.trainer.version:
@@ -329,7 +321,7 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
                 engines_rejoined += len(came_back)
             except EngineWaitInterrupted:
                 interrupted = True
-            interrupted = any_rank(trainer, interrupted)
+            [interrupted] = any_rank(trainer, interrupted)
             sync = BroadcastStats(trainer.version, 0, 0.0)
             if not interrupted:
                 try:

@@ -81,40 +81,35 @@ def load_checkpoint(trainer: Trainer, ckpt_dir: str | os.PathLike) -> dict[str, 
     return state["data_position"]
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step under `<run_dir>/checkpoints`, or None."""
+def _complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, str, Path]]:
+    """(step, name, directory) of every complete checkpoint under `<run_dir>/checkpoints`, oldest first; saves
+    under way (`.tmp-`, `.old-`) and unreadable directories are left out."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
-        return None
-    best: tuple[int, str, Path] | None = None
+        return []
+    found = []
     for d in root.iterdir():
         if d.name.startswith(".") or not (d / STATE_FILE).is_file():
             continue
         try:
-            step = int(json.loads((d / STATE_FILE).read_text())["step"])
-        except (ValueError, KeyError):
+            found.append((int(json.loads((d / STATE_FILE).read_text())["step"]), d.name, d))
+        except (OSError, ValueError, KeyError):
             log.warning("ignoring %s: unreadable %s", d, STATE_FILE)
-            continue
-        if best is None or (step, d.name) > best[:2]:
-            best = (step, d.name, d)
-    return best[2] if best else None
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step under `<run_dir>/checkpoints`, or None."""
+    complete = _complete_checkpoints(run_dir)
+    return complete[-1][2] if complete else None
 
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints under `<run_dir>/checkpoints` (0 keeps all), and any
-    leftover of an interrupted save; returns what was deleted. Main process only."""
-    root = Path(run_dir) / "checkpoints"
-    if keep <= 0 or not root.is_dir():
+    """Delete all but the newest `keep` complete checkpoints under `<run_dir>/checkpoints` (0 keeps all); returns
+    what was deleted. Main process only."""
+    if keep <= 0:
         return []
-    complete = []
-    for d in root.iterdir():
-        if d.name.startswith(".tmp-") or d.name.startswith(".old-"):
-            continue  # a save in progress or an interrupted one: _replace_dir and the next save clean these
-        try:
-            complete.append((int(json.loads((d / STATE_FILE).read_text())["step"]), d.name, d))
-        except (OSError, ValueError, KeyError):
-            continue  # not a checkpoint this code wrote: left alone
-    deleted = [d for _, _, d in sorted(complete)[:-keep]]
+    deleted = [d for _, _, d in _complete_checkpoints(run_dir)[:-keep]]
     for d in deleted:
         shutil.rmtree(d, ignore_errors=True)
     return deleted
