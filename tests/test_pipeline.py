@@ -43,9 +43,13 @@ def test_pipelined_run_updates_engines_in_flight(tmp_path):
     # a stream file with a corrupt record, as a crashed writer would leave it
     (run_dir / "streams" / "samples").mkdir(parents=True)
     (run_dir / "streams" / "samples" / "old-writer.jsonl").write_bytes(b"0badc0de {\"torn\n")
-    # 12 steps: whether an update lands inside a generation or between two is a matter of timing; with
-    # max_lag 2 the first three steps' samples are generated under version 0, so 6 steps left only ~3 chances
-    r = launch(run_dir, "trainer.max_steps=12", "actor.max_lag=2")
+    # An update lands inside a generation only when the engine is busy as it arrives. With 16 requests at once and
+    # 40 tokens the actor ran ahead of the trainer, then sat at max_lag with the engine idle while updates landed
+    # (CI saw 12 steps without one mixed sample). One group at a time of up to 160 tokens makes generation slower
+    # than a training step, so the engine is generating whenever an update arrives (mixed samples in ~10 of 11).
+    in_flight = ["trainer.max_steps=12", "actor.max_lag=2", "actor.concurrency=4", "sampling.max_new_tokens=160",
+                 "engine.max_model_len=192"]
+    r = launch(run_dir, *in_flight)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = metrics(run_dir)
     assert [row["step"] for row in rows] == list(range(1, 13))
@@ -65,7 +69,7 @@ def test_pipelined_run_updates_engines_in_flight(tmp_path):
     assert "API key required" in (run_dir / "logs" / "engine0.log").read_text()
     assert key not in r.stdout + r.stderr
     # a rerun in the same directory resumes from the last checkpoint and continues the version sequence
-    r = launch(run_dir, "trainer.max_steps=14", "actor.max_lag=2")
+    r = launch(run_dir, *in_flight, "trainer.max_steps=14")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [row["step"] for row in metrics(run_dir)] == list(range(1, 15))
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
