@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
 include launch/vllm_install.mk
 
-.PHONY: install run compare compare-algorithms test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
+.PHONY: install run compare compare-algorithms compare-tools test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -81,6 +81,10 @@ compare: $(STAMP)
 # every RL algorithm on the tiny recipe, side by side (docs/algorithms.md)
 compare-algorithms: $(STAMP)
 	$(BIN)/python -m bench.algorithms
+
+# the code recipes: tiny_code_cpu's learning curve, and the interpreter as a tool against single-turn (docs/code.md)
+compare-tools: $(STAMP)
+	$(BIN)/python -m bench.code_tasks
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

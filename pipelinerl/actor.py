@@ -36,6 +36,7 @@ from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import reward_item, task_from_config
+from pipelinerl.workflow import RolloutEngine, run_episodes
 
 ENGINE_RETRY_S = 2.0  # how long an engine that could not be reached gets no requests before it is tried again
 log = logging.getLogger("pipelinerl.actor")
@@ -177,6 +178,8 @@ class Actor:
                                                "streamed_samples": self.streamed}))
 
     async def _generate_and_score(self, problem: dict) -> list[Sample]:
+        if hasattr(self.task, "rollout"):
+            return await self._episodes_and_score(problem)
         cfg = self.cfg
         prompt_ids = self.tokenizer.encode(self.task.prompt(problem))
         t0 = time.monotonic()
@@ -191,8 +194,29 @@ class Actor:
         t_reward = time.monotonic() - t0 - t_gen
         # unique across the run: a restarted actor counts from 0 again, under a new launch id
         group_id = f"{problem.get('id', 'p')}-{self.launch_id}-{self.counts['groups_started']}"
-        return [self._sample(group_id, prompt_ids, c, r, {"generate_s": t_gen, "reward_s": t_reward})
+        return [self._sample(group_id, prompt_ids, c.token_ids, c.logprobs, c.versions, c.finish_reason, r,
+                             {"generate_s": t_gen, "reward_s": t_reward})
                 for c, r in zip(resp.completions, results)]
+
+    async def _episodes_and_score(self, problem: dict) -> list[Sample]:
+        """A multi-turn task's group: `group_size` episodes of its `rollout` (pipelinerl.workflow), each turn sent
+        to a live engine, then scored like any group."""
+        cfg = self.cfg
+        t0 = time.monotonic()
+        engine = RolloutEngine(self._generate_on_a_live_engine, self.tokenizer, SamplingParams(
+            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+            max_new_tokens=cfg.sampling.max_new_tokens, stop=list(cfg.sampling.stop)), cfg.engine.max_model_len)
+        episodes = await run_episodes(self.task, problem, engine, cfg.sampling.group_size)
+        t_gen = time.monotonic() - t0
+        items = [reward_item(problem, engine.decode(e.output_token_ids), e.finish_reason, turns=e.turns,
+                             tool_calls=e.tool_calls, **e.info) for e in episodes]
+        results = await self.pool.score_async(self.reward_fn, items)
+        t_reward = time.monotonic() - t0 - t_gen
+        group_id = f"{problem.get('id', 'p')}-{self.launch_id}-{self.counts['groups_started']}"
+        return [self._sample(group_id, e.prompt_token_ids, e.output_token_ids, e.logprobs, e.versions,
+                             e.finish_reason, r, {"generate_s": t_gen, "reward_s": t_reward, "turns": e.turns,
+                                                  "tool_calls": e.tool_calls}, e.output_mask)
+                for e, r in zip(episodes, results)]
 
     async def _generate_on_a_live_engine(self, req: GenerateRequest) -> GenerateResponse:
         """The request on the least busy engine that is up. An engine that cannot be reached (it died; its
@@ -217,14 +241,16 @@ class Actor:
                 self.counts["requests_resent"] += 1
                 log.warning("%s; sending the request to another engine", e)
 
-    def _sample(self, group_id: str, prompt_ids: list[int], completion, result: RewardResult,
-                timings: dict[str, float]) -> Sample:
+    def _sample(self, group_id: str, prompt_ids: list[int], token_ids: list[int], logprobs: list[float],
+                versions: list[int], finish_reason: str, result: RewardResult, timings: dict[str, float],
+                output_mask: list[int] | None = None) -> Sample:
         correct = bool(result.parts.get("correct", result.reward > 0))
-        reward, shaping = shape_reward(result.reward, correct, len(completion.token_ids), completion.finish_reason,
+        written = sum(output_mask) if output_mask else len(token_ids)  # length shaping counts the model's tokens
+        reward, shaping = shape_reward(result.reward, correct, written, finish_reason,
                                        self.cfg.sampling.max_new_tokens, self.trainer_version, self.cfg.reward)
-        return Sample(group_id=group_id, prompt_token_ids=prompt_ids, output_token_ids=completion.token_ids,
-                      behav_logprobs=completion.logprobs, versions=completion.versions,
-                      finish_reason=completion.finish_reason, reward=reward,
+        return Sample(group_id=group_id, prompt_token_ids=prompt_ids, output_token_ids=token_ids,
+                      behav_logprobs=logprobs, versions=versions, output_mask=output_mask or [],
+                      finish_reason=finish_reason, reward=reward,
                       reward_parts={**result.parts, **shaping, "correct": float(correct)},
                       reward_info=result.info, task=self.task.name, timings=timings)
 

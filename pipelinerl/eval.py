@@ -21,14 +21,20 @@ import sys
 import time
 from pathlib import Path
 
-from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
+from pipelinerl.contracts.inference import GenerateRequest, GenerateResponse, SamplingParams
 from pipelinerl.engines.client import AsyncEngineClient
 from pipelinerl.rewards import RewardPool
 from pipelinerl.tasks import Task, reward_item
+from pipelinerl.workflow import RolloutEngine, run_episodes
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021): 1 - C(n-c, k) / C(n, k), the chance that
+    k of the n samples drawn without replacement include a correct one. Computed as a product of k ratios
+    (n-c-i)/(n-i), each in [0, 1], as the paper's numpy version does: the binomials themselves overflow floats for
+    n in the hundreds. With fewer than k wrong samples every draw of k holds a correct one: 1."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:
         return 1.0
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
@@ -49,9 +55,10 @@ def benchmark_names(sources: list[str]) -> dict[str, str]:
 async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str], tokenizer, pool: RewardPool,
                          k: int = 4, temperature: float = 1.0, max_new_tokens: int = 64, top_p: float = 1.0,
                          top_k: int = 0, stop: list[str] | None = None, concurrency: int = 64, greedy: bool = False,
-                         seed: int | None = 0) -> dict:
+                         seed: int | None = 0, max_model_len: int = 4096) -> dict:
     """Score k samples per problem (1 greedy sample with `greedy`); returns the summary (the mean over
-    benchmarks), one entry per benchmark (problems grouped by their "source"), per-problem rows and the settings."""
+    benchmarks), one entry per benchmark (problems grouped by their "source"), per-problem rows and the settings.
+    A task with a `rollout` (multi-turn) runs its own loop, within `max_model_len` tokens per episode."""
     engines = [AsyncEngineClient(u) for u in engine_urls]
     gone: set[str] = set()
     sem = asyncio.Semaphore(concurrency)
@@ -61,31 +68,42 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
     sources = list(dict.fromkeys(str(p.get("source") or task.name) for p in problems))
     names = benchmark_names(sources)
 
+    async def generate(req: GenerateRequest) -> GenerateResponse:
+        while True:  # an engine that cannot be reached is left out of this evaluation (a restarted one
+            live = [e for e in engines if e.url not in gone]  # has not had the weights being evaluated)
+            if not live:
+                raise ConnectionError(f"no engine of {engine_urls} reachable for the evaluation")
+            engine = min(live, key=lambda e: e.in_flight)
+            try:
+                return await engine.generate(req)
+            except ConnectionError:
+                gone.add(engine.url)
+
     async def one(index: int, problem: dict) -> dict:
-        ids = tokenizer.encode(task.prompt(problem))
         # Seeded per problem, so evaluations of different checkpoints draw comparable samples.
-        req = GenerateRequest(prompt_token_ids=ids, sampling=SamplingParams(
-            temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-            n=n, stop=stop, seed=None if seed is None else seed + 1000 * index))
+        sampling = SamplingParams(temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k,
+                                  max_new_tokens=max_new_tokens, n=n, stop=stop,
+                                  seed=None if seed is None else seed + 1000 * index)
         async with sem:
-            while True:  # an engine that cannot be reached is left out of this evaluation (a restarted one
-                live = [e for e in engines if e.url not in gone]  # has not had the weights being evaluated)
-                if not live:
-                    raise ConnectionError(f"no engine of {engine_urls} reachable for the evaluation")
-                engine = min(live, key=lambda e: e.in_flight)
-                try:
-                    resp = await engine.generate(req)
-                    break
-                except ConnectionError:
-                    gone.add(engine.url)
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in resp.completions]
-        results = await pool.score_async(task.reward_fn, [reward_item(problem, t, c.finish_reason)
-                                                          for t, c in zip(texts, resp.completions)])
+            if hasattr(task, "rollout"):  # a multi-turn task: n episodes of its own loop (pipelinerl.workflow)
+                engine = RolloutEngine(generate, tokenizer, sampling, max_model_len)
+                episodes = await run_episodes(task, problem, engine, n)
+                outputs = [(e.output_token_ids, e.finish_reason, e.versions, {"turns": e.turns,
+                                                                               "tool_calls": e.tool_calls, **e.info})
+                           for e in episodes]
+            else:
+                resp = await generate(GenerateRequest(prompt_token_ids=tokenizer.encode(task.prompt(problem)),
+                                                      sampling=sampling))
+                outputs = [(c.token_ids, c.finish_reason, c.versions, {}) for c in resp.completions]
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _, _, _ in outputs]
+        results = await pool.score_async(task.reward_fn, [reward_item(problem, t, finish, **extra)
+                                                          for t, (_, finish, _, extra) in zip(texts, outputs)])
         correct = [float(r.parts.get("correct", r.reward > 0)) for r in results]
+        versions = [v for v in outputs[0][2] if v >= 0]
         return {"id": problem.get("id"), "benchmark": names[str(problem.get("source") or task.name)],
-                "correct": correct, "tokens": [len(c.token_ids) for c in resp.completions],
-                "truncated": [c.finish_reason == "length" for c in resp.completions], "sample": texts[0][:200],
-                "version": resp.completions[0].versions[0] if resp.completions[0].versions else None}
+                "correct": correct, "tokens": [len(ids) for ids, _, _, _ in outputs],
+                "truncated": [finish == "length" for _, finish, _, _ in outputs], "sample": texts[0][:200],
+                "version": versions[0] if versions else None}
 
     try:
         rows = await asyncio.gather(*(one(i, p) for i, p in enumerate(problems)))
@@ -170,6 +188,18 @@ def write_results(result: dict, out_dir: Path, name: str = "eval") -> tuple[Path
 def _load_problems(args: argparse.Namespace) -> tuple[Task, list[dict]]:
     from pipelinerl.tasks import get_task
 
+    if args.task:  # any task, as a recipe names it: `--task code --task-args '{"eval_data": ["humaneval"]}'`
+        try:
+            task_args = json.loads(args.task_args)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"pipelinerl eval: --task-args must be a JSON object: {e}") from None
+        if not isinstance(task_args, dict):
+            raise SystemExit("pipelinerl eval: --task-args must be a JSON object, e.g. '{\"eval_data\": [...]}'")
+        try:
+            task = get_task(args.task, **task_args)
+            return task, task.eval_problems()
+        except (KeyError, TypeError, ValueError, ImportError, OSError) as e:
+            raise SystemExit(f"pipelinerl eval: --task {args.task}: {e}") from None
     if args.data:
         task = get_task("math", train_data=list(args.data), eval_data=list(args.data), template=args.template)
         return task, task.eval_problems()
@@ -184,6 +214,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a running engine serving the model (repeatable); default: start an embedded one")
     p.add_argument("--data", action="append", default=None,
                    help="JSON/JSONL file (ORZ or plain format) or hub dataset name; default: the arithmetic task")
+    p.add_argument("--task", default=None, help="a task by name (arithmetic, math, code) or 'package.module:Class', "
+                   "built with --task-args; its held-out problems are evaluated (overrides --data)")
+    p.add_argument("--task-args", default="{}", help="the task's arguments as a JSON object, as task.args in a recipe")
+    p.add_argument("--reward-workers", type=int, default=1, help="processes scoring answers in parallel")
+    p.add_argument("--reward-timeout", type=float, default=60.0, help="seconds one answer's check may take")
     p.add_argument("--template", default="orz", choices=["orz", "boxed", "plain"], help="prompt template for --data")
     p.add_argument("--digits", type=int, default=2, help="arithmetic operand digits")
     p.add_argument("--ops", default="+", help="arithmetic operators")
@@ -230,11 +265,11 @@ def main(args: argparse.Namespace) -> int:
             return 1
     try:
         start = time.monotonic()
-        with RewardPool(workers=1, timeout_s=10) as pool:
+        with RewardPool(workers=args.reward_workers, timeout_s=args.reward_timeout) as pool:
             result = asyncio.run(evaluate_async(task, problems, urls, tokenizer, pool, k=args.k,
                                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                                 max_new_tokens=args.max_new_tokens, stop=args.stop,
-                                                greedy=args.greedy))
+                                                greedy=args.greedy, max_model_len=args.max_model_len))
         result["summary"]["seconds"] = round(time.monotonic() - start, 2)
     finally:
         if proc is not None:

@@ -57,6 +57,8 @@ def prepare_model(cfg: RunConfig) -> Path:
                 "warmup_steps": m.warmup_steps, "warmup_lr": m.warmup_lr, "warmup_batch_size": m.warmup_batch_size,
                 "task": {"name": t.name, "digits": t.digits, "ops": t.ops, "num_train": t.num_train,
                          "seed": t.seed, "reverse": t.reverse}}
+    if t.args:  # (absent without them, so existing caches stay valid)
+        settings["task"].update(name=t.name, args=dict(t.args))
     if m.tiny_tokenizer != "char":  # (absent for the char tokenizer, so existing caches stay valid)
         settings["tokenizer"] = {"kind": m.tiny_tokenizer, "vocab_size": m.tiny_vocab_size}
     if t.name == "math":
@@ -405,6 +407,12 @@ def main(recipe: str, overrides: list[str]) -> int:
         node = NodeEnv.from_environ()
         gpus = detect_gpus()
         problems = missing_data(cfg) + missing_resources(cfg, recipe, node, gpus)
+        if cfg.task.name not in ("arithmetic", "math"):
+            # a task from task.name/task.args is built here once, so a wrong path or argument stops the run now
+            # with the key to change, not later in the actor's log
+            from pipelinerl.tasks import check_task
+
+            check_task(cfg.task)
         if problems:
             print(f"pipelinerl: {recipe} cannot start here:\n" + "\n".join(f"- {p}" for p in problems),
                   file=sys.stderr)

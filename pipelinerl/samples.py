@@ -17,12 +17,16 @@ class Sample(BaseModel):
     output_token_ids: list[int]
     behav_logprobs: list[float] = Field(description="engine log-probs of output tokens (behaviour policy)")
     versions: list[int] = Field(description="weight version that produced each output token")
+    # Multi-turn rollouts (pipelinerl.workflow): 1 on the tokens the model wrote, 0 on tokens the environment put
+    # in the context (a tool's output). The trainer trains on the 1s only; a 0 token has behaviour log-prob 0 and
+    # version -1, as no policy produced it. Empty: every output token is the model's (single-turn).
+    output_mask: list[int] = Field(default_factory=list)
     finish_reason: str
     reward: float = 0.0
     reward_parts: dict[str, float] = Field(default_factory=dict)
     reward_info: str = ""
     task: str = ""
-    timings: dict[str, float] = Field(default_factory=dict)
+    timings: dict[str, float] = Field(default_factory=dict)  # seconds per stage; multi-turn: turns, tool_calls too
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> Sample:
@@ -30,12 +34,29 @@ class Sample(BaseModel):
         if len(self.behav_logprobs) != n or len(self.versions) != n:
             raise ValueError(f"sample {self.group_id}: {n} output tokens but {len(self.behav_logprobs)} log-probs "
                              f"and {len(self.versions)} versions")
+        if self.output_mask and (len(self.output_mask) != n or not set(self.output_mask) <= {0, 1}):
+            raise ValueError(f"sample {self.group_id}: output_mask must hold one 0 or 1 per output token "
+                             f"({n}), got {len(self.output_mask)} values")
         return self
 
     @property
+    def model_versions(self) -> list[int]:
+        """The versions of the tokens the model wrote (tool output tokens carry none)."""
+        if not self.output_mask:
+            return self.versions
+        return [v for v, m in zip(self.versions, self.output_mask) if m]
+
+    @property
+    def trained_tokens(self) -> int:
+        """Output tokens the loss sees: the model's own."""
+        return sum(self.output_mask) if self.output_mask else len(self.output_token_ids)
+
+    @property
     def oldest_version(self) -> int:
-        return min(self.versions) if self.versions else -1
+        versions = self.model_versions
+        return min(versions) if versions else -1
 
     def lag(self, trainer_version: int) -> int:
-        """Versions between the trainer now and the first token of this sample."""
-        return trainer_version - self.versions[0] if self.versions else 0
+        """Versions between the trainer now and the first token the model wrote in this sample."""
+        versions = self.model_versions
+        return trainer_version - versions[0] if versions else 0

@@ -244,13 +244,18 @@ class SampleFeed:
 
 def batch_metrics(batch: list[Sample]) -> dict[str, float]:
     n = max(1, len(batch))
-    return {
+    row = {
         "reward_mean": sum(s.reward for s in batch) / n,
         "accuracy": sum(s.reward_parts.get("correct", 0.0) for s in batch) / n,
         "output_tokens_mean": sum(len(s.output_token_ids) for s in batch) / n,
         "truncated_frac": sum(s.finish_reason == "length" for s in batch) / n,
-        "mixed_version_frac": sum(len(set(s.versions)) > 1 for s in batch) / n,
+        "mixed_version_frac": sum(len(set(s.model_versions)) > 1 for s in batch) / n,
     }
+    if any(s.output_mask for s in batch):  # multi-turn samples: how much the model used its tools
+        row["tool_calls_mean"] = sum(s.timings.get("tool_calls", 0.0) for s in batch) / n
+        row["tool_tokens_frac"] = sum(len(s.output_mask) - sum(s.output_mask) for s in batch) / max(
+            1, sum(len(s.output_token_ids) for s in batch))
+    return row
 
 
 def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = None) -> int:
@@ -417,7 +422,7 @@ class HeldOutEval:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             from pipelinerl.rewards import RewardPool
 
-            self.pool = RewardPool(workers=1, timeout_s=cfg.reward.timeout_s,
+            self.pool = RewardPool(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                                    memory_limit_mb=cfg.reward.memory_limit_mb).start()
 
     @staticmethod
@@ -442,7 +447,8 @@ class HeldOutEval:
         t = self.cfg.trainer
         t0 = time.monotonic()
         result = asyncio.run(evaluate_async(self.task, self.problems, self.urls, self.tokenizer, self.pool,
-                                            k=t.eval_k, greedy=t.eval_greedy, **self.sampling(self.cfg)))
+                                            k=t.eval_k, greedy=t.eval_greedy,
+                                            max_model_len=self.cfg.engine.max_model_len, **self.sampling(self.cfg)))
         result["summary"]["seconds"] = round(time.monotonic() - t0, 2)
         write_results(result, Path(self.cfg.run_dir) / "eval", f"step_{step:06d}")
         row = metrics_row(result)

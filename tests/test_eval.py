@@ -138,3 +138,23 @@ def test_trainer_held_out_eval_writes_the_table_and_per_benchmark_metrics(tiny_m
     assert result["settings"]["temperature"] == cfg.sampling.temperature  # eval.temperature unset: training's
     assert all(len(r["correct"]) == 3 and max(r["tokens"]) <= 4 for r in result["rows"])
     assert "| arithmetic | 6 | 3 |" in (tmp_path / "run" / "eval" / "step_000020.md").read_text()
+
+
+@pytest.mark.slow
+def test_eval_command_on_any_task_by_name(tiny_model_dir, tmp_path):
+    """`--task` and `--task-args` evaluate any task as a recipe names it, here the tiny code task, whose answers
+    run in the sandbox; pass@k is reported beside avg@k. Bad task arguments stop with a message, not a traceback."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "eval", "--model", str(tiny_model_dir), "--task",
+                        "pipelinerl.tasks.tiny_code:TinyCodeTask", "--task-args", '{"num_eval": 3, "num_train": 5}',
+                        "-k", "2", "--max-new-tokens", "8", "--reward-workers", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((out / "eval.json").read_text())
+    assert [(b["benchmark"], b["problems"]) for b in result["benchmarks"]] == [("tiny_code", 3)]
+    assert {"avg@2", "pass@1", "pass@2"} <= set(result["summary"])
+    r = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "eval", "--model", str(tiny_model_dir), "--task",
+                        "pipelinerl.tasks.tiny_code:TinyCodeTask", "--task-args", '{"colour": 1}'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--task pipelinerl.tasks.tiny_code:TinyCodeTask" in r.stderr
+    assert "colour" in r.stderr and "Traceback" not in r.stderr

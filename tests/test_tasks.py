@@ -199,3 +199,63 @@ def test_task_from_config(tmp_path):
                           ("task.template=chat", "task.template"), ("task.name=poetry", "task.name")):
         with pytest.raises(ConfigError, match=key):
             load_config(recipe, [override])
+
+
+USER_TASK = '''
+from dataclasses import dataclass
+
+
+def score(item):
+    return float(item["completion"].strip() == item["problem"]["answer"])
+
+
+@dataclass
+class Reverse:
+    """Reverse a word: a user's task in one file."""
+
+    words: tuple = ("abc", "pipeline")
+    name: str = "reverse"
+    reward_fn = staticmethod(score)
+
+    def __post_init__(self):
+        if not self.words:
+            raise ValueError("words must not be empty")
+
+    def train_problems(self):
+        return [{"id": w, "answer": w[::-1]} for w in self.words]
+
+    def eval_problems(self):
+        return self.train_problems()[:1]
+
+    def prompt(self, problem):
+        return problem["id"] + "="
+'''
+
+
+def test_a_task_plugs_in_by_dotted_path_with_its_own_args(tmp_path, monkeypatch):
+    """`task.name: module:Class` and `task.args` build a user's task with no registry and no TaskConfig field;
+    mistakes name the key to change."""
+    (tmp_path / "user_tasks.py").write_text(USER_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run_dir: a\nmodel: {path: m}\ntask:\n  name: user_tasks:Reverse\n  args: {words: [xy, rl]}\n")
+    task = task_from_config(load_config(recipe).task)
+    assert task.name == "reverse" and [p["answer"] for p in task.train_problems()] == ["yx", "lr"]
+    assert task.prompt(task.eval_problems()[0]) == "xy="
+    with pytest.raises(ConfigError, match="task.args.*unexpected keyword argument 'colour'"):
+        task_from_config(load_config(recipe, ["task.args.colour=red"]).task)
+    with pytest.raises(ConfigError, match="task.args.*words must not be empty"):
+        task_from_config(load_config(recipe, ["task.args.words=[]"]).task)
+    with pytest.raises(ConfigError, match="task.name.*cannot load 'user_tasks:Nope'"):
+        task_from_config(load_config(recipe, ["task.name=user_tasks:Nope"]).task)
+    with pytest.raises(ConfigError, match="task.name.*package.module:Class"):
+        load_config(recipe, ["task.name=user tasks"])
+    with pytest.raises(ConfigError, match="task.args.*task.digits"):
+        load_config(recipe, ["task.name=arithmetic"])
+    # the actor's view: the same object, scored through the pool by its top-level reward function
+    from pipelinerl.rewards import RewardPool
+
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with RewardPool(1, 10.0) as pool:
+        results = pool.score(task.reward_fn, [reward_item(p, p["answer"], "stop") for p in task.train_problems()])
+    assert [r.reward for r in results] == [1.0, 1.0]

@@ -14,16 +14,33 @@ CHARACTERS = string.digits + string.ascii_letters + " +-*/=()<>[]{}\\.,:;!?'\"\n
 
 
 def build_char_tokenizer():
-    """A character-level fast tokenizer: one token per character, ids 0-3 special."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A character-level fast tokenizer: one token per character, ids 0-3 special.
+
+    It is a byte-level BPE with no merges, whose vocabulary holds the characters under their byte-level names
+    (" " is "Ġ", "\n" is "Ċ"): transformers loads the tokenizer of a Qwen2 model as its Qwen2Tokenizer, which
+    rebuilds exactly that (a BPE over the saved vocabulary behind a byte-level pre-tokenizer), so the tokenizer
+    the processes load splits text as this one does. A plain word-level vocabulary lost every space and newline
+    that way, which arithmetic never noticed and code cannot live without."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARACTERS)))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    chars = [_byte_level_name(c) for c in dict.fromkeys(CHARACTERS)]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
                                    eos_token="<eos>", unk_token="<unk>")
+
+
+def _byte_level_name(char: str) -> str:
+    """GPT-2's byte-to-unicode name of a one-byte character: printable ones are themselves, others are shifted
+    past 255 (" " -> "Ġ", "\n" -> "Ċ")."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    code = ord(char)
+    if code in printable:
+        return char
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(code))
 
 
 def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1024):

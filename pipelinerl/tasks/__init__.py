@@ -1,13 +1,22 @@
-"""Pluggable tasks: a dataset of prompts plus a verifier (see `base.Task`), looked up by name.
+"""Pluggable tasks: a dataset of prompts plus a verifier (see `base.Task`), and optionally a multi-turn
+`rollout` (see `pipelinerl.workflow`).
 
-Built-in: "arithmetic" (generated "a+b=" problems for tiny models) and "math" (competition math from local
-files or the hub, verified with math-verify). Task modules are imported on first use, so asking for arithmetic
-never imports sympy.
+A recipe names its task in `task.name`: a built-in ("arithmetic": generated "a+b=" problems for tiny models;
+"math": competition math from local files or the hub, verified with math-verify; "code": programming problems
+checked by running them in a sandbox) or any "package.module:Class" the processes can import, built with the
+`task.args` mapping as keyword arguments. A new task is therefore one file and one line of YAML:
+
+    task:
+      name: my_tasks.sorting:SortingTask
+      args: {num_train: 5000, max_len: 8}
+
+Task modules are imported on first use, so asking for arithmetic never imports sympy.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,12 +25,13 @@ from pipelinerl.tasks.base import Task, reward_item
 if TYPE_CHECKING:
     from pipelinerl.config import TaskConfig
 
-__all__ = ["TASKS", "Task", "get_task", "register_task", "reward_item", "task_from_config"]
+__all__ = ["TASKS", "Task", "check_task", "get_task", "register_task", "reward_item", "task_from_config"]
 
 # name -> task factory, or "module:attribute" of one (imported lazily)
 TASKS: dict[str, Callable[..., Task] | str] = {
     "arithmetic": "pipelinerl.tasks.arithmetic:ArithmeticTask",
     "math": "pipelinerl.tasks.math_data:MathTask",
+    "code": "pipelinerl.tasks.code:CodeTask",
 }
 
 
@@ -31,9 +41,11 @@ def register_task(name: str, factory: Callable[..., Task] | str) -> None:
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    factory = TASKS[name]
+    """The task `name` (a key of TASKS, or "package.module:Class") built with `kwargs`."""
+    if name not in TASKS and ":" not in name:
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}, or give "
+                       "'package.module:Class'")
+    factory = TASKS.get(name, name)
     if isinstance(factory, str):
         module, _, attr = factory.partition(":")
         factory = getattr(importlib.import_module(module), attr)
@@ -41,11 +53,54 @@ def get_task(name: str, **kwargs: Any) -> Task:
 
 
 def task_from_config(cfg: TaskConfig) -> Task:
-    """The task a run's `task:` config section describes."""
+    """The task a run's `task:` config section describes. Errors name the key to change: an unimportable
+    `task.name`, an argument the task does not take, or a value it refuses (`task.args`)."""
+    from pipelinerl.config import ConfigError
+
+    # the two original tasks keep their settings as task.* keys, so existing recipes stay valid
     if cfg.name == "arithmetic":
         return get_task("arithmetic", digits=cfg.digits, ops=cfg.ops, num_train=cfg.num_train,
                         num_eval=cfg.num_eval, seed=cfg.seed, reverse=cfg.reverse)
     if cfg.name == "math":
         return get_task("math", train_data=list(cfg.train_data), eval_data=list(cfg.eval_data),
                         template=cfg.template, reward=cfg.reward, accept_unclosed_answer=cfg.accept_unclosed_answer)
-    return get_task(cfg.name)
+    ref = TASKS.get(cfg.name, cfg.name)
+    if isinstance(ref, str):
+        module, _, attr = ref.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"task.name: cannot load {ref!r}: {e} (is its package on PYTHONPATH?)") from None
+    else:
+        factory = ref
+    args = dict(cfg.args)
+    try:
+        inspect.signature(factory).bind(**args)
+    except TypeError as e:
+        raise ConfigError(f"task.args: {cfg.name} does not take these arguments: {e}") from None
+    except ValueError:  # no signature to read (a builtin): let the call say
+        pass
+    try:
+        task = factory(**args)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"task.args: {cfg.name} refused its arguments: {e}") from None
+    missing = [a for a in ("name", "reward_fn", "train_problems", "eval_problems", "prompt") if not hasattr(task, a)]
+    if missing:
+        raise ConfigError(f"task.name: {cfg.name} built an object without {', '.join(missing)}; a task needs all "
+                          "of them (see pipelinerl.tasks.base.Task)")
+    return task
+
+
+def check_task(cfg: TaskConfig) -> None:
+    """Build the task and draw its problems once, so that a wrong path, argument or data file stops a run before
+    anything starts, with the key to change (problems are often made lazily, where an error would surface as a
+    traceback in the actor's log)."""
+    from pipelinerl.config import ConfigError
+
+    task = task_from_config(cfg)
+    try:
+        if not task.train_problems():
+            raise ValueError("it has no training problems")
+        task.eval_problems()
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"task.args: {cfg.name} cannot make its problems: {e}") from None

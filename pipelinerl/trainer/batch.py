@@ -7,8 +7,8 @@ whole groups), the loss denominators count all of it, and each rank then packs i
 
 One packed row holds several `prompt + output` sequences back to back (positions restart per sequence); the
 per-token fields are aligned with `input_ids`:
-- `loss_mask`: True on output tokens the policy is trained on; False on prompt tokens, and on the whole output of
-  a truncated sample under overlong filtering;
+- `loss_mask`: True on output tokens the policy is trained on; False on prompt tokens, on tool output tokens of a
+  multi-turn sample (`Sample.output_mask`), and on the whole output of a truncated sample under overlong filtering;
 - `behav_logprobs`: the engine's log-prob of each output token (0 on prompt tokens);
 - `advantages`: the sample's advantage on each of its tokens (or a per-token one: GAE), set by the trainer once
   the no-grad passes (reference, critic) have run: `set_sample_advantages`.
@@ -125,6 +125,8 @@ def validate_samples(samples: Sequence[Sample], micro_batch_tokens: int) -> None
                              f"{len(s.versions)} versions")
         if n == 0:
             raise ValueError(f"{where}: empty output sequence (nothing to train on)")
+        if s.output_mask and len(s.output_mask) != n:
+            raise ValueError(f"{where}: {n} output tokens but {len(s.output_mask)} output_mask values")
         if not s.prompt_token_ids:
             raise ValueError(f"{where}: empty prompt")
         if not math.isfinite(s.reward):
@@ -164,7 +166,7 @@ def group_advantages(samples: Sequence[Sample], estimator: str, cfg: TrainerConf
 
     cfg = dataclasses.replace(cfg or TrainerConfig(), advantage=estimator)
     step = StepBatch(samples=list(samples), group_ids=dense_group_ids(samples),
-                     trained_tokens=torch.tensor([float(len(s.output_token_ids)) for s in samples]), minibatches=[])
+                     trained_tokens=torch.tensor([float(s.trained_tokens) for s in samples]), minibatches=[])
     return sample_advantages(step, cfg)
 
 
@@ -195,7 +197,10 @@ def _pack(samples: Sequence[Sample], chosen: Sequence[int], device: torch.device
         p, o = len(s.prompt_token_ids), len(s.output_token_ids)
         trained = not (overlong_filtering and s.finish_reason == TRUNCATED)
         sequences.append(list(s.prompt_token_ids) + list(s.output_token_ids))
-        mask.append(torch.cat([torch.zeros(p, dtype=torch.bool), torch.full((o,), trained, dtype=torch.bool)]))
+        output = torch.full((o,), trained, dtype=torch.bool)
+        if s.output_mask:  # multi-turn: tool output tokens are context, not the policy's actions
+            output &= torch.tensor(s.output_mask, dtype=torch.bool)
+        mask.append(torch.cat([torch.zeros(p, dtype=torch.bool), output]))
         behav.append([0.0] * p + list(s.behav_logprobs))
         adv.append(torch.zeros(p + o))
     return build_packed_batch(sequences, {"loss_mask": mask, "behav_logprobs": behav, "advantages": adv},
@@ -223,7 +228,7 @@ def build_step(batch: Sequence[Sample | Mapping[str, Any]], micro_batch_tokens: 
     samples = to_samples(batch)
     validate_samples(samples, micro_batch_tokens)
     dropped = [overlong_filtering and s.finish_reason == TRUNCATED for s in samples]
-    trained = torch.tensor([0.0 if d else float(len(s.output_token_ids)) for s, d in zip(samples, dropped)])
+    trained = torch.tensor([0.0 if d else float(s.trained_tokens) for s, d in zip(samples, dropped)])
     parts = []
     for part in minibatch_slices(len(samples), minibatches):
         mine = list(part)[rank::world_size]
