@@ -215,7 +215,8 @@ class Actor:
         group_id = f"{problem.get('id', 'p')}-{self.launch_id}-{self.counts['groups_started']}"
         return [self._sample(group_id, e.prompt_token_ids, e.output_token_ids, e.logprobs, e.versions,
                              e.finish_reason, r, {"generate_s": t_gen, "reward_s": t_reward, "turns": e.turns,
-                                                  "tool_calls": e.tool_calls}, e.output_mask)
+                                                  "tool_calls": e.tool_calls}, e.output_mask,
+                             max_len=cfg.engine.max_model_len - len(e.prompt_token_ids))
                 for e, r in zip(episodes, results)]
 
     async def _generate_on_a_live_engine(self, req: GenerateRequest) -> GenerateResponse:
@@ -243,11 +244,14 @@ class Actor:
 
     def _sample(self, group_id: str, prompt_ids: list[int], token_ids: list[int], logprobs: list[float],
                 versions: list[int], finish_reason: str, result: RewardResult, timings: dict[str, float],
-                output_mask: list[int] | None = None) -> Sample:
+                output_mask: list[int] | None = None, max_len: int | None = None) -> Sample:
         correct = bool(result.parts.get("correct", result.reward > 0))
-        written = sum(output_mask) if output_mask else len(token_ids)  # length shaping counts the model's tokens
+        # length shaping counts the model's tokens, against what it may write: one completion's max_new_tokens,
+        # or, for a multi-turn episode (`max_len`), the context left after the prompt
+        written = sum(output_mask) if output_mask else len(token_ids)
         reward, shaping = shape_reward(result.reward, correct, written, finish_reason,
-                                       self.cfg.sampling.max_new_tokens, self.trainer_version, self.cfg.reward)
+                                       max_len or self.cfg.sampling.max_new_tokens, self.trainer_version,
+                                       self.cfg.reward)
         return Sample(group_id=group_id, prompt_token_ids=prompt_ids, output_token_ids=token_ids,
                       behav_logprobs=logprobs, versions=versions, output_mask=output_mask or [],
                       finish_reason=finish_reason, reward=reward,

@@ -412,7 +412,11 @@ def main(recipe: str, overrides: list[str]) -> int:
             # with the key to change, not later in the actor's log
             from pipelinerl.tasks import check_task
 
-            check_task(cfg.task)
+            task = check_task(cfg.task)
+            budget = getattr(task, "total_time_s", None)  # the code checker's own time for one answer
+            if budget is not None and cfg.reward.timeout_s <= budget:
+                raise ConfigError(f"reward.timeout_s: {cfg.reward.timeout_s:g} s would cut off the checks of an "
+                                  f"answer, which may take task.args.total_time_s {budget:g} s; set it above that")
         if problems:
             print(f"pipelinerl: {recipe} cannot start here:\n" + "\n".join(f"- {p}" for p in problems),
                   file=sys.stderr)
@@ -512,6 +516,9 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
             ok = True
             return 0
         save_resolved_config(cfg, run_dir)
+        # owner only: samples, evaluations and checkpoints hold the answers, and sandboxed programs (the code
+        # reward, tools) run as other users that must not read them
+        run_dir.chmod(0o700)
         # the key every engine of the run requires; the processes started from here (and this one's clients) read
         # it from the environment (pipelinerl/auth.py)
         os.environ[API_KEY_ENV] = run_api_key(run_dir)

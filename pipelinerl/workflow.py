@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelinerl.contracts.inference import Completion, GenerateRequest, GenerateResponse, SamplingParams
+from pipelinerl.contracts.inference import MAX_SEED, Completion, GenerateRequest, GenerateResponse, SamplingParams
 
 Generate = Callable[[GenerateRequest], Awaitable[GenerateResponse]]
 
@@ -71,11 +71,16 @@ class RolloutEngine:
     """What a task's `rollout` sees: the tokenizer, the context budget and one call, `generate`, which samples one
     continuation with the run's sampling settings (temperature, top-p/k) on whichever engine the actor picks."""
 
-    def __init__(self, generate: Generate, tokenizer: Any, sampling: SamplingParams, max_model_len: int) -> None:
+    def __init__(self, generate: Generate, tokenizer: Any, sampling: SamplingParams, max_model_len: int,
+                 episode: int = 0) -> None:
         self._generate = generate
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.max_model_len = max_model_len
+        self.episode = episode  # which episode of the group: seeded requests must differ between episodes
+
+    def for_episode(self, episode: int) -> RolloutEngine:
+        return RolloutEngine(self._generate, self.tokenizer, self.sampling, self.max_model_len, episode)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -90,17 +95,29 @@ class RolloutEngine:
         room = self.max_model_len - len(context)
         if room < 1:
             return Completion(token_ids=[], logprobs=[], versions=[], finish_reason="length")
+        # a seeded evaluation draws each episode, and each turn of it, with a seed of its own
+        seed = None if self.sampling.seed is None else \
+            (self.sampling.seed + 1_000_003 * self.episode + len(context)) % MAX_SEED
         params = self.sampling.model_copy(update={
             "n": 1, "max_new_tokens": min(room, max_new_tokens or self.sampling.max_new_tokens),
-            "stop": list(dict.fromkeys([*self.sampling.stop, *(stop or [])])),
-            "seed": None if self.sampling.seed is None else self.sampling.seed + len(context)})
+            "stop": list(dict.fromkeys([*self.sampling.stop, *(stop or [])])), "seed": seed})
         resp = await self._generate(GenerateRequest(prompt_token_ids=context, sampling=params))
         return resp.completions[0]
 
 
 async def run_episodes(task: Any, problem: dict, engine: RolloutEngine, n: int) -> list[Episode]:
-    """`n` episodes of one problem, run concurrently."""
-    return list(await asyncio.gather(*(task.rollout(engine, problem) for _ in range(n))))
+    """`n` episodes of one problem, run concurrently. If one fails, the others are cancelled (the group is lost
+    as a whole: it is scored and trained on only as a group), and so is an episode in which the model wrote
+    nothing (a prompt that fills the context): the error says why."""
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(task.rollout(engine.for_episode(i), problem)) for i in range(n)]
+    episodes = [t.result() for t in tasks]
+    for e in episodes:
+        if not any(e.output_mask):
+            raise ValueError(f"an episode of problem {problem.get('id')!r} has no token of the model's: its prompt "
+                             f"({len(e.prompt_token_ids)} tokens) leaves no room in max_model_len "
+                             f"{engine.max_model_len}")
+    return episodes
 
 
 # --- the built-in code interpreter ---------------------------------------------------------------------------
@@ -151,6 +168,8 @@ async def python_tool_rollout(engine: RolloutEngine, prompt: str, max_turns: int
     while True:
         completion = await engine.generate(episode.context, stop=[syntax.call_end])
         episode.add_model_turn(completion)
+        # what the model wrote last, for a reward that reads its answer there (the tool's output is not its own)
+        episode.info["final_turn"] = engine.decode(completion.token_ids)
         # a turn that ended on the model's end-of-sequence token is its final answer, whatever its text holds
         asked = completion.finish_reason == "stop" and completion.token_ids[-1:] != [engine.tokenizer.eos_token_id]
         code = tool_call(engine.decode(completion.token_ids), syntax) if asked else None
@@ -162,6 +181,10 @@ async def python_tool_rollout(engine: RolloutEngine, prompt: str, max_turns: int
         output = await run_tool_code(code, limits)
         if len(output) > syntax.max_output_chars:
             output = output[:syntax.max_output_chars] + "...\n"
-        episode.add_observation(engine.encode(syntax.observation.format(output=output)))
+        observation = engine.encode(syntax.observation.format(output=output))
+        room = engine.max_model_len - len(episode.context) - 1  # at least one token left for the model
+        if room < len(observation):
+            break  # the output does not fit: the episode ends out of room, as a truncated answer does
+        episode.add_observation(observation)
     episode.finish_reason = "length"
     return episode

@@ -206,6 +206,31 @@ def test_fork_bomb_is_contained_and_cleaned_up() -> None:
     assert_intact(printed_uid(result))
 
 
+def test_an_init_that_disables_its_lifeline_does_not_outlive_the_run() -> None:
+    """The program is init of its pid namespace; the privilege drop clears the parent-death signal unshare set, and a
+    program can replace the os._exit its lifeline calls. The run still leaves nothing behind."""
+    need("pid_namespace", "separate_user")
+    code = ("import os, time\nprint(os.getuid(), flush=True)\nos._exit = lambda code: None\nos.setsid()\n"
+            "time.sleep(300)\n")
+    result = run_python(code, "", SandboxLimits(wall_s=1.0))
+    assert result.status == "timeout"
+    assert_intact(printed_uid(result))
+
+
+def test_no_user_namespace_to_mount_memory_in() -> None:
+    """Inside a user namespace of its own a program could mount a tmpfs that no rlimit counts; the seccomp filter
+    refuses CLONE_NEWUSER (and clone3, whose flags it cannot read), while threads and fork keep working."""
+    need("separate_user")
+    if not sandbox.SECCOMP_FILTER:
+        pytest.skip("no seccomp filter for this architecture")
+    code = ("import ctypes, os, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.unshare(0x10000000), ctypes.get_errno())\n"
+            "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+            "pid = os.fork()\nif pid == 0:\n    os._exit(7)\nprint(os.waitpid(pid, 0)[1] >> 8)\n")
+    result = run_python(code, "", FAST)
+    assert (result.status, result.stdout) == ("ok", "-1 1\nthread\n7\n"), result
+
+
 @pytest.mark.parametrize("code", ["x = bytearray(1 << 40)",
                                   "chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 24))"],
                          ids=["one_huge_allocation", "growing"])

@@ -453,6 +453,8 @@ def code_reward(problem: dict, completion: str, finish_reason: str = "stop") -> 
         return RewardResult(0.0, {"correct": 0.0, "passed_frac": 0.0}, "no code block")
     try:
         compile(code, "solution.py", "exec")  # compiling runs nothing; a syntax error needs no sandbox
+    except (MemoryError, RecursionError):  # a few thousand nested operators exhaust the parser, not the worker
+        return RewardResult(0.0, {"correct": 0.0, "passed_frac": 0.0}, "syntax error: too deeply nested to compile")
     except (SyntaxError, ValueError) as e:
         where = f"line {e.lineno}: " if isinstance(e, SyntaxError) and e.lineno else ""
         msg = e.msg if isinstance(e, SyntaxError) else str(e)

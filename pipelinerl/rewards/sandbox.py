@@ -27,7 +27,8 @@ What it stops (root with unshare, as on our machines and CI; `isolation()` says 
 - the rest of the machine: as a uid that owns nothing, the program cannot write or delete outside its tmpfs (and
   what it writes there vanishes with its mount namespace), cannot read 0600/0640 files (RUN_DIR/api_key,
   /etc/shadow), cannot signal or ptrace other processes (the caller, other sandboxes) nor read their environment;
-  setuid binaries give it nothing (`no_new_privs`); its environment is built from scratch, so secrets in the
+  setuid binaries give it nothing (`no_new_privs`); it cannot make a user namespace (a seccomp filter), where it
+  would be root enough to mount a tmpfs that no limit counts; its environment is built from scratch, so secrets in the
   caller's (PIPELINERL_API_KEY) never reach it.
 
 What it does not stop:
@@ -35,7 +36,8 @@ What it does not stop:
   host's: the process list and other processes' command lines are visible);
 - Unix sockets with a path: a network namespace does not cover them, so a world-writable one (the D-Bus system
   bus, say) can be connected to;
-- the kernel's attack surface: there is no seccomp filter, every syscall is allowed, a kernel bug is a way out;
+- the kernel's attack surface: the seccomp filter refuses only new user namespaces (and clone3); every other
+  system call is allowed, so a kernel bug is a way out;
 - memory and CPU time in total: both limits are per process, so a run may hold up to `processes` x `memory_mb`
   plus its tmpfs (there is no cgroup), and the wall clock is what bounds the CPU time of many processes;
 - a program exiting with a reserved exit code on purpose is reported as what the code means; that is only ever a
@@ -231,6 +233,12 @@ try:
         os.setresgid(_uid, _uid, _uid)
         os.setresuid(_uid, _uid, _uid)
         _check(_libc.prctl(38, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if _cfg["seccomp"]:  # before any thread starts: threads inherit it
+            class _Prog(ctypes.Structure):
+                _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+            _filter = ctypes.create_string_buffer(_cfg["seccomp"], len(_cfg["seccomp"]))
+            _prog = _Prog(len(_cfg["seccomp"]) // 8, ctypes.cast(_filter, ctypes.c_void_p))
+            _check(_libc.prctl(22, 2, ctypes.byref(_prog), 0, 0), "prctl(PR_SET_SECCOMP)")
     sys.path.insert(0, _workdir)  # the program's own modules (`files`) first, as for `python main.py`
     os.chdir(_workdir)
     for _name, _text in _cfg["files"].items():
@@ -278,6 +286,44 @@ except BaseException as e:
         os._exit(_codes["memory"])
     sys.exit(1)
 '''
+
+
+def _no_user_namespaces_filter() -> bytes:
+    """A seccomp program that refuses new user namespaces (unshare or clone with CLONE_NEWUSER: EPERM) and clone3
+    (ENOSYS, whose flags a filter cannot read; glibc then falls back to clone, as under Docker's default profile).
+
+    Why: inside a user namespace of its own a program is root enough to mount a tmpfs, whose pages count against
+    neither RLIMIT_AS nor the private /tmp's size, so one run could fill the machine's memory. Everything else is
+    allowed. Foreign system call conventions (i386 `int 0x80`, x32) get ENOSYS, so they cannot go around it.
+    Empty (no filter) on architectures other than x86-64 and aarch64."""
+    import platform
+    import struct
+
+    arch, nrs = {"x86_64": (0xC000003E, {"clone": 56, "unshare": 272, "clone3": 435}),
+                 "aarch64": (0xC00000B7, {"clone": 220, "unshare": 97, "clone3": 435})}.get(
+        platform.machine(), (None, None))
+    if arch is None:
+        return b""
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    program = [  # (code, jump if true, jump if false, k); jumps count from the next instruction
+        (ld, 0, 0, 4),                            # 0: arch
+        (jeq, 0, 9, arch),                        # 1: foreign convention -> 11
+        (ld, 0, 0, 0),                            # 2: system call number
+        (jge, 7, 0, 0x40000000),                  # 3: x32 -> 11
+        (jeq, 6, 0, nrs["clone3"]),               # 4: -> 11
+        (jeq, 1, 0, nrs["unshare"]),              # 5: -> 7
+        (jeq, 0, 2, nrs["clone"]),                # 6: -> 7, else -> 9
+        (ld, 0, 0, 16),                           # 7: flags, the low half of the first argument
+        (jset, 1, 0, 0x10000000),                 # 8: CLONE_NEWUSER -> 10
+        (ret, 0, 0, allow),                       # 9
+        (ret, 0, 0, eperm),                       # 10
+        (ret, 0, 0, enosys),                      # 11
+    ]
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
+
+
+SECCOMP_FILTER = _no_user_namespaces_filter()
 
 
 @dataclass(frozen=True)
@@ -450,6 +496,7 @@ def _spawn_and_supervise(code: str, stdin: str, limits: SandboxLimits, files: di
         # +1: the harness's lifeline thread is a task of the uid too. A shared uid (no separate user) already has
         # tasks, counted against the limit, except in a fresh user namespace, where the count starts from zero
         "nproc": int(limits.processes) + 1, "nproc_relative": uid < 0 and "--user" not in mode.namespaces,
+        "seccomp": SECCOMP_FILTER if uid >= 0 else b"",
     }
     header = marshal.dumps(settings)
     payload = len(header).to_bytes(8, "little") + header + stdin.encode("utf-8", "surrogateescape")
@@ -472,8 +519,12 @@ def _spawn_and_supervise(code: str, stdin: str, limits: SandboxLimits, files: di
             pass
         supervisor = _Supervisor(proc, payload, status_r, limits, start)
         supervisor.run()
-        if mode.separate_user and "--pid" not in mode.namespaces:
-            _kill_user_tasks(uid)  # setsid() children left the process group; they still have the uid
+        if mode.separate_user:
+            # setsid() children left the process group, and without a pid namespace nothing else ends them; with
+            # one, a program that is the namespace's init can still outlive unshare (the privilege drop clears the
+            # parent-death signal --kill-child set, and it can disable the harness's lifeline). Every process of
+            # the run has its uid, which no other run has: kill them all.
+            _kill_user_tasks(uid)
         supervisor.drain()
         status, rusage = supervisor.reap()
     except BaseException:  # a bug here, or KeyboardInterrupt: the run must not outlive the call

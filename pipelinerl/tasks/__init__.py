@@ -91,7 +91,7 @@ def task_from_config(cfg: TaskConfig) -> Task:
     return task
 
 
-def check_task(cfg: TaskConfig) -> None:
+def check_task(cfg: TaskConfig) -> Task:
     """Build the task and draw its problems once, so that a wrong path, argument or data file stops a run before
     anything starts, with the key to change (problems are often made lazily, where an error would surface as a
     traceback in the actor's log)."""
@@ -102,5 +102,6 @@ def check_task(cfg: TaskConfig) -> None:
         if not task.train_problems():
             raise ValueError("it has no training problems")
         task.eval_problems()
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # ImportError: an optional package a source needs
         raise ConfigError(f"task.args: {cfg.name} cannot make its problems: {e}") from None
+    return task

@@ -43,9 +43,10 @@ def final_answer_text(completion: str, syntax: InterpreterSyntax = SYNTAX) -> st
 
 
 def score_interpreter(item: dict) -> RewardResult:
-    """Pool entry point: 1 when the answer after the last tool output is the product."""
+    """Pool entry point: 1 when the model's last turn, after the last tool output, starts with the product. Only
+    the model's own text counts: a tool output that prints a closing fence and the number is no answer."""
     expected = int(item["problem"]["answer"])
-    got = parse_answer(final_answer_text(item["completion"]))
+    got = parse_answer(item.get("final_turn", final_answer_text(item["completion"])))
     info = {"tool_calls": float(item.get("tool_calls", 0))}
     if got is None:
         return RewardResult(0.0, {"correct": 0.0, **info}, "no integer answer after the last tool output")

@@ -74,6 +74,8 @@ class TinyCodeTask:
     num_eval: int = 200
     seed: int = 0
     steps: tuple[str, ...] = tuple(STEPS)
+    time_limit_s: float = 2.0  # CPU seconds for the answer's run
+    total_time_s: float = 30.0  # everything one answer's check may take; reward.timeout_s must be above it
     name: str = "tiny_code"
     reward_fn = staticmethod(score_tiny_code)
 
@@ -118,7 +120,7 @@ class TinyCodeTask:
         outputs = [eval(f"lambda x: {body}")(x) for x in inputs]  # our own expression, never the model's
         return {"id": f"tinycode-{split}-{index}", "description": describe(chain), "solution": body,
                 "tests": {"kind": "calls", "fn_name": "f", "inputs": [[x] for x in inputs], "outputs": outputs},
-                "limits": {"time_limit_s": 2.0}}
+                "limits": {"time_limit_s": self.time_limit_s, "total_time_s": self.total_time_s}}
 
     def train_problems(self) -> list[dict]:
         return [self._problem(c, "train", i) for i, c in enumerate(self._train_chains)]
