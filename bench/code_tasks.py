@@ -24,10 +24,10 @@ from pathlib import Path
 from bench.common import RESULTS_DIR, machine
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS: dict[str, tuple[str, list[str]]] = {
-    "code (tiny_code_cpu)": ("tiny_code_cpu.yaml", []),
-    "tool, multi-turn (tiny_tool_cpu)": ("tiny_tool_cpu.yaml", []),
-    "no tool, single-turn (tiny_tool_cpu, tool=false)": ("tiny_tool_cpu.yaml", ["task.args.tool=false"]),
+RUNS: dict[str, tuple[str, list[str]]] = {  # name (no commas: --only splits on them) -> recipe, overrides
+    "code": ("tiny_code_cpu.yaml", []),
+    "tool": ("tiny_tool_cpu.yaml", []),  # multi-turn, with the interpreter
+    "no-tool": ("tiny_tool_cpu.yaml", ["task.args.tool=false"]),  # single-turn, the same task
 }
 
 

@@ -6,6 +6,7 @@ import base64
 import gzip
 import json
 import math
+import os
 import pickle
 import time
 import zlib
@@ -317,3 +318,41 @@ def test_each_benchmark_reports_pass_at_1_and_pass_at_n_beside_avg():
     (bench,) = summarize(rows, 5)["benchmarks"]
     assert bench["avg@5"] == bench["pass@1"] == pytest.approx(0.2)
     assert bench["pass@5"] == 0.5 and bench["pass@2"] == pytest.approx((1 - 3 / 10) / 2)
+
+
+HOSTILE_ANSWERS = {  # what a policy might write, as code answers to "def f(x): return x + 1"
+    "infinite loop": ("while True:\n    pass", "timeout"),
+    "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", "timeout"),
+    "memory bomb": ("x = bytearray(1 << 40)", "memory"),
+    "gigabytes of output": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", "output limit"),
+    "writing outside": ("open('/work_outside_' + 'x', 'w').write('x')\ndef f(x):\n    return x + 1",
+                        "runtime error"),
+    "a socket": ("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)", "runtime error"),
+    "kill of its parent": ("import os, signal\nos.kill(os.getppid() or 1, signal.SIGKILL)\ndef f(x):\n    return x",
+                           "wrong answer"),
+    "exit that fakes success": ("import sys\nsys.exit(0)", "exit"),
+}
+
+
+def test_hostile_answers_through_the_reward_pool_are_contained_counted_and_explained():
+    """Each hostile program, as the answer of a code problem scored in a real 2-worker reward pool: reward 0 with
+    the reason of its kind, no worker lost or timed out (the sandbox, not the pool, contained it), and the pool
+    still scores a right answer right afterwards."""
+    from pipelinerl.rewards import RewardPool
+    from pipelinerl.rewards.code import score_code
+
+    problem = {"tests": {"kind": "calls", "fn_name": "f", "inputs": [[1], [2]], "outputs": [2, 3]},
+               "limits": {"time_limit_s": 1.0, "memory_mb": 256, "total_time_s": 10.0}}
+    items = [{"problem": problem, "completion": f"```python\n{code}\n```", "finish_reason": "stop"}
+             for code, _ in HOSTILE_ANSWERS.values()]
+    right = {"problem": problem, "completion": "```python\ndef f(x):\n    return x + 1\n```", "finish_reason": "stop"}
+    with RewardPool(workers=2, timeout_s=30) as pool:
+        results = pool.score(score_code, items)
+        after = pool.score(score_code, [right])
+        stats = pool.stats()
+    for (name, (_, reason)), result in zip(HOSTILE_ANSWERS.items(), results):
+        assert result.reward == 0.0 and reason in result.info, (name, result.info)
+    assert after[0].reward == 1.0
+    assert stats["scored"] == len(items) + 1
+    assert stats["timeouts"] == stats["crashes"] == stats["workers_replaced"] == stats["out_of_memory"] == 0
+    assert not os.path.exists("/work_outside_x")
