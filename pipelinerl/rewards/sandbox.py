@@ -63,6 +63,7 @@ cannot be run by the sandbox user.
 from __future__ import annotations
 
 import functools
+import logging
 import marshal
 import math
 import os
@@ -417,7 +418,21 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
     `sys.argv[1:]`. Blocks until the run ends; thread-safe, so a thread pool runs programs in parallel. Never
     raises for anything the program does: every outcome is a `RunResult` (see its `status`); bad arguments
     (`files` names that are absolute or contain "..") raise ValueError."""
-    return _execute(code, stdin, limits, files, argv, _detect_mode())
+    mode = _detect_mode()
+    _say_if_weak(mode)
+    return _execute(code, stdin, limits, files, argv, mode)
+
+
+@functools.cache
+def _say_if_weak(mode: _Mode) -> None:
+    """Once per process, in the log of the role that runs programs (the reward workers, the actor's tools): which
+    protections this machine did not give, so that a weaker sandbox is never a surprise."""
+    missing = [name for name, given in mode.describe().items() if not given]
+    if missing:
+        logging.getLogger(__name__).warning(
+            "the sandbox runs model-written programs without %s on this machine (%s); see "
+            "pipelinerl/rewards/sandbox.py for what that leaves open", ", ".join(missing),
+            "not root" if os.geteuid() else "unshare missing or refused")
 
 
 def _check_files(files: dict[str, str] | None) -> dict[str, str]:
