@@ -39,7 +39,8 @@ def test_actor_drops_groups_without_a_correctness_signal(tmp_path, tiny_model_di
     wrong, right = RewardResult(0.0, {"correct": 0.0}), RewardResult(1.0, {"correct": 1.0})
 
     def group(name: str, outcomes: list[tuple[int, RewardResult]]) -> list[Sample]:
-        return [actor._sample(name, [1, 2], completion(n), r, {}) for n, r in outcomes]
+        return [actor._sample(name, [1, 2], c.token_ids, c.logprobs, c.versions, c.finish_reason, r, {})
+                for c, r in ((completion(n), r) for n, r in outcomes)]
 
     all_wrong = group("wrong", [(10, wrong), (75, wrong), (100, wrong)])
     assert len({s.reward for s in all_wrong}) == 3  # the overlong penalty makes the rewards differ

@@ -5,7 +5,6 @@ import asyncio
 import os
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -228,16 +227,22 @@ def test_concurrent_requests_during_update_stream(engine, trainer):
     n_updates = 5
 
     def one(i):
-        return engine.generate(PROMPT[: 2 + i % 4], temperature=1.0, max_new_tokens=150 + 10 * i, n=2,
+        return engine.generate(PROMPT[: 2 + i % 4], temperature=1.0, max_new_tokens=600 + 20 * i, n=2,
                                ignore_eos=True, seed=i)
 
+    # made before generation starts, and generations long enough (~17k tokens, 3 waves of 8 sequences) that five
+    # pushes land inside them even when each push is slow on a loaded machine
+    updates = [trainer.perturbed(seed=100 + k, scale=0.05) for k in range(n_updates)]
     with ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(one, i) for i in range(12)]
-        # the updates land while sequences run
+        # the updates land while sequences run: each after the engine has decoded more tokens since the last (a
+        # fixed sleep let all five land before the first token on a loaded machine: every token had the last version)
         wait_until(lambda: engine.metrics()["pipelinerl_running_seqs"] > 0, "a sequence running")
         for k in range(n_updates):
-            time.sleep(0.05)
-            trainer.push(trainer.perturbed(seed=100 + k, scale=0.05))
+            start = engine.metrics()["pipelinerl_generated_tokens_total"]
+            wait_until(lambda start=start: engine.metrics()["pipelinerl_generated_tokens_total"] >= start + 30,
+                       "30 more tokens decoded", poll_s=0.01)
+            trainer.push(updates[k])
         results = [f.result(timeout=120) for f in futures]
     seen = set()
     for r in results:
