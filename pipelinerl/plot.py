@@ -147,7 +147,7 @@ def plot_comparison(run_dirs: dict[str, str | Path], out_png: str | Path) -> Pat
     runs = {label: read_metrics(d) for label, d in run_dirs.items()}
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for col, (x_key, x_label) in enumerate((("time", "wall-clock seconds"), ("samples_total", "samples trained on"))):
-        for row, (title, keys) in enumerate((("held-out accuracy (avg@k, mean over benchmarks)", ["eval_accuracy"]),
+        for row, (title, keys) in enumerate((("held-out accuracy", ["eval_accuracy"]),
                                              ("training reward", ["reward_mean"]))):
             ax = axes[row][col]
             for label, rows in runs.items():
@@ -156,6 +156,8 @@ def plot_comparison(run_dirs: dict[str, str | Path], out_png: str | Path) -> Pat
                     ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, label=label)
             ax.set_title(f"{title} vs {x_label}")
             ax.set_xlabel(x_label)
+            if row == 0:
+                ax.set_ylabel("avg@k, mean over benchmarks")
             ax.grid(alpha=0.3)
             ax.legend()
     return _save(fig, out_png)
