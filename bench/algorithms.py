@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, machine
+from bench.common import RESULTS_DIR, machine, run_comparison
 from bench.pipeline_vs_sync import ROOT, launch
 
 # name -> the overrides of recipes/tiny_cpu.yaml that make it that algorithm
@@ -120,15 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="RL steps per algorithm (default 150)")
     parser.add_argument("--only", default="", help="comma-separated names, as listed in ALGORITHMS")
     args = parser.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(ALGORITHMS)
-    unknown = [n for n in names if n not in ALGORITHMS]
-    if unknown:
-        parser.error(f"unknown algorithm(s) {unknown}; available: {list(ALGORITHMS)}")
-    out = compare(args.steps, names)
-    print()
-    print(table(out["results"]))
-    print(f"\nmachine: {out['machine']}\nplot: {out['png']}")
-    return 0
+    return run_comparison(parser, args.only, list(ALGORITHMS), lambda names: compare(args.steps, names), table)
 
 
 if __name__ == "__main__":

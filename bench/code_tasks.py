@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, machine
+from bench.common import RESULTS_DIR, machine, run_comparison
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS: dict[str, tuple[str, list[str]]] = {  # name (no commas: --only splits on them) -> recipe, overrides
@@ -95,15 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: each recipe's own)")
     parser.add_argument("--only", default="", help="comma-separated names, as listed in RUNS")
     args = parser.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(RUNS)
-    unknown = [n for n in names if n not in RUNS]
-    if unknown:
-        parser.error(f"unknown run(s) {unknown}; available: {list(RUNS)}")
-    out = compare(args.steps, names)
-    print()
-    print(table(out["results"]))
-    print(f"\nmachine: {out['machine']}\nplot: {out['png']}")
-    return 0
+    return run_comparison(parser, args.only, list(RUNS), lambda names: compare(args.steps, names), table)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -94,3 +95,18 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
     out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)), line]
     out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(out)
+
+
+def run_comparison(parser: argparse.ArgumentParser, only: str, available: list[str],
+                   compare: Callable[[list[str]], dict], table: Callable[[dict], str]) -> int:
+    """The end of a comparison benchmark's command line: the runs `--only` names (comma-separated; every one when
+    empty; unknown names refused through `parser`), compared, then their Markdown table, machine and plot."""
+    names = [n for n in only.split(",") if n] or list(available)
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        parser.error(f"unknown name(s) {unknown}; available: {list(available)}")
+    out = compare(names)
+    print()
+    print(table(out["results"]))
+    print(f"\nmachine: {out['machine']}\nplot: {out['png']}")
+    return 0

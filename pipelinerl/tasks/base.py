@@ -28,3 +28,17 @@ class Task(Protocol):
 def reward_item(problem: dict, completion: str, finish_reason: str, **extra: Any) -> dict:
     """The plain dict a task's `reward_fn` receives: picklable, so it can cross into a reward worker."""
     return {"problem": problem, "completion": completion, "finish_reason": finish_reason, **extra}
+
+
+def hub_rows(name: str, split: str | None = None) -> list[dict]:
+    """The rows of a Hugging Face dataset split (the "test" split, else "train", else the first, when not given):
+    the tasks' loaders share it. Needs the optional `datasets` package and network access to the hub."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"loading {name!r} from the Hugging Face hub needs the `datasets` package "
+                          "(pip install datasets); or pass a local JSON/JSONL file instead") from None
+    if split is None:
+        splits = datasets.get_dataset_split_names(name)
+        split = next((s for s in ("test", "train") if s in splits), splits[0])
+    return [dict(row) for row in datasets.load_dataset(name, split=split)]

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelinerl.rewards.code import check_tests, score_code
+from pipelinerl.tasks.base import hub_rows
 
 HUMANEVAL = "humaneval"
 # Names LiveCodeBench's and APPS's graders import for call-style answers, whose starter code uses `List` etc.
@@ -300,16 +301,7 @@ def load_humaneval() -> list[dict]:
 
 def load_hub(name: str, split: str | None = None) -> list[dict]:
     """A Hugging Face dataset by name; needs the optional `datasets` package and network access to the hub."""
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError(f"loading {name!r} from the Hugging Face hub needs the `datasets` package "
-                          "(pip install datasets); or pass a local JSON/JSONL file instead") from None
-    if split is None:
-        splits = datasets.get_dataset_split_names(name)
-        split = next((s for s in ("test", "train") if s in splits), splits[0])
-    rows = datasets.load_dataset(name, split=split)
-    return [normalize(dict(row), i, name) for i, row in enumerate(rows)]
+    return [normalize(row, i, name) for i, row in enumerate(hub_rows(name, split))]
 
 
 def load_problems(source: str) -> list[dict]:

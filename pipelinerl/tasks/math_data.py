@@ -22,6 +22,7 @@ from pipelinerl.rewards.choice import is_choice_problem, score_choice
 from pipelinerl.rewards.math import UNCLOSED_KEY, last_boxed, score_math, score_orz
 from pipelinerl.rewards.orz_exact import score_orz_exact
 from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.tasks.base import hub_rows
 
 ORZ_TEMPLATE = (
     "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The "
@@ -151,16 +152,7 @@ def load_file(path: str | Path) -> list[dict]:
 
 def load_hub(name: str, split: str | None = None) -> list[dict]:
     """A Hugging Face dataset by name; needs the optional `datasets` package and network access to the hub."""
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError(f"loading {name!r} from the Hugging Face hub needs the `datasets` package "
-                          "(pip install datasets); or pass a local JSON/JSONL file instead") from None
-    if split is None:
-        splits = datasets.get_dataset_split_names(name)
-        split = next((s for s in ("test", "train") if s in splits), splits[0])
-    rows = datasets.load_dataset(name, split=split)
-    return [normalize(dict(row), i, name) for i, row in enumerate(rows)]
+    return [normalize(row, i, name) for i, row in enumerate(hub_rows(name, split))]
 
 
 def load_problems(source: str) -> list[dict]:
