@@ -42,3 +42,18 @@ def hub_rows(name: str, split: str | None = None) -> list[dict]:
         splits = datasets.get_dataset_split_names(name)
         split = next((s for s in ("test", "train") if s in splits), splits[0])
     return [dict(row) for row in datasets.load_dataset(name, split=split)]
+
+
+def json_records(text: str, source: str) -> list:
+    """The records of a JSON list, a single JSON object, or JSON Lines (also under a .json name, as `datasets`
+    writes them); `source` names the file in the error."""
+    import json
+
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}: neither a JSON list nor JSON Lines: {e}") from None
+    return [records] if isinstance(records, dict) else records

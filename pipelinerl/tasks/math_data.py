@@ -12,7 +12,6 @@ Hub datasets (MATH-500 is "HuggingFaceH4/MATH-500", AIME 2024 "HuggingFaceH4/aim
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from pipelinerl.rewards.choice import is_choice_problem, score_choice
 from pipelinerl.rewards.math import UNCLOSED_KEY, last_boxed, score_math, score_orz
 from pipelinerl.rewards.orz_exact import score_orz_exact
 from pipelinerl.rewards.pool import RewardResult
-from pipelinerl.tasks.base import hub_rows
+from pipelinerl.tasks.base import hub_rows, json_records
 
 ORZ_TEMPLATE = (
     "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The "
@@ -136,17 +135,7 @@ def _solution_from_turns(turns: list) -> str | None:
 def load_file(path: str | Path) -> list[dict]:
     """A JSON list, or JSON Lines (one record per line; also accepted under a .json name, as `datasets` writes)."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    records: Any
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: neither a JSON list nor JSON Lines: {e}") from None
-    if isinstance(records, dict):
-        records = [records]
+    records = json_records(path.read_text(encoding="utf-8"), str(path))
     return [normalize(item, i, str(path)) for i, item in enumerate(records)]
 
 
