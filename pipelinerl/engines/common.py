@@ -149,6 +149,12 @@ class GeneratedTextTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [name if isinstance(name, str) else "" for name in self._names(ids)]
 
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each id's own text, as OpenAI and vLLM put it in `logprobs.tokens`: " the", not the vocabulary's
+        byte-level name "Ġthe" (special tokens keep their names; a byte of a multi-byte character alone reads as
+        "\ufffd"); "" for an id with no string."""
+        return [self._tokenizer.decode([i]) if name is not None else "" for i, name in zip(ids, self._names(ids))]
+
     def decode(self, ids: list[int], **kwargs) -> str:
         return self._tokenizer.decode([i for i, name in zip(ids, self._names(ids)) if name is not None], **kwargs)
 
@@ -185,7 +191,7 @@ async def completions_via_generate(req: CompletionsRequest, tokenizer, model_nam
         for c in res.completions:
             lp = None
             if req.logprobs is not None:
-                lp = CompletionsChoiceLogprobs(tokens=tokenizer.convert_ids_to_tokens(c.token_ids),
+                lp = CompletionsChoiceLogprobs(tokens=tokenizer.token_texts(c.token_ids),
                                                token_logprobs=c.logprobs)
             text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
             if c.finish_reason == "stop" and req.stop:  # the text ends where the stop string does
