@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -476,9 +477,14 @@ def test_non_root_caller() -> None:
              "            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n)")
     messy = ("import os\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('x')\nos.chmod('a/b/f', 0)\nos.chmod('a/b', 0)\n"
              "os.chmod('a', 0o500)\nos.chmod('.', 0o500)\nprint(os.getcwd())")
+    # a copy nobody can read: the checkout may sit under a directory only root can enter (mktemp -d makes 0700)
+    readable = Path(tempfile.mkdtemp(prefix="pipelinerl-sandbox-test-"))
+    readable.chmod(0o755)
+    shutil.copy(SANDBOX_FILE, readable / "sandbox.py")
+    (readable / "sandbox.py").chmod(0o644)
     script = (
         "import importlib.util, json, sys\n"
-        f"spec = importlib.util.spec_from_file_location('sb', {str(SANDBOX_FILE)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('sb', {str(readable / 'sandbox.py')!r})\n"
         "sb = importlib.util.module_from_spec(spec)\nsys.modules['sb'] = sb\nspec.loader.exec_module(sb)\n"
         "out = {'isolation': sb.isolation()}\n"
         "r = sb.run_python('import os\\nprint(input(), os.getuid())', 'hi', sb.SandboxLimits(wall_s=10))\n"
@@ -492,6 +498,7 @@ def test_non_root_caller() -> None:
         "print(json.dumps(out))\n")
     proc = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", str(system_python), "-c",
                            script], capture_output=True, text=True, timeout=60, cwd="/")
+    shutil.rmtree(readable)
     if proc.returncode != 0 and ("SyntaxError" in proc.stderr or "No module named" in proc.stderr):
         pytest.skip(f"the system python cannot load the module: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr

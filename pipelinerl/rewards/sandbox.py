@@ -160,12 +160,14 @@ def _reachable_by_nobody(path):
         return False
     return True
 
-def _reach_through_fds():
-    # Directories the sandbox user could not reach (e.g. the standard library under a 0700 /root) stay
-    # importable through a directory fd opened now: /proc/self/fd/N skips the path's ancestors.
+def _reach_through_fds(hidden):
+    # Directories the sandbox user could not reach (e.g. the standard library under a 0700 /root), and those the
+    # private tmpfs is about to cover (`hidden`: a checkout's venv under /tmp), stay importable through a directory
+    # fd opened now: /proc/self/fd/N skips the path's ancestors and outlives the mount over them.
     mapping = {}
     for p in sys.path:
-        if p and p not in mapping and os.path.isdir(p) and not _reachable_by_nobody(p):
+        covered = any(p == h or p.startswith(h + "/") for h in hidden)
+        if p and p not in mapping and os.path.isdir(p) and (covered or not _reachable_by_nobody(p)):
             mapping[p] = "/proc/self/fd/%d" % os.open(p, os.O_RDONLY | os.O_DIRECTORY)
     def remap(p):
         for old in sorted(mapping, key=len, reverse=True):
@@ -224,12 +226,14 @@ try:
                 raise OSError(err, "%s: %s" % (what, os.strerror(err)))
         if _cfg["mounts"] and os.readlink("/proc/self/ns/mnt") == _cfg["caller_mount_ns"]:
             raise RuntimeError("refusing to mount tmpfs: not in a mount namespace of its own")
+        sys.path += _cfg["site_dirs"]
+        _reach_through_fds([os.path.realpath(target) for target, _ in _cfg["mounts"]])  # before the mounts
         for target, options in _cfg["mounts"]:
             if os.path.isdir(target):  # MS_NOSUID | MS_NODEV
                 _check(_libc.mount(b"tmpfs", target.encode(), b"tmpfs", 6, options.encode()), "mount " + target)
-    sys.path += _cfg["site_dirs"]
+    else:
+        sys.path += _cfg["site_dirs"]
     if _uid >= 0:
-        _reach_through_fds()
         os.setgroups([])
         os.setresgid(_uid, _uid, _uid)
         os.setresuid(_uid, _uid, _uid)
