@@ -146,9 +146,6 @@ class GeneratedTextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text)
 
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return [name if isinstance(name, str) else "" for name in self._names(ids)]
-
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each id's own text, as OpenAI and vLLM put it in `logprobs.tokens`: " the", not the vocabulary's
         byte-level name "Ġthe" (special tokens keep their names; a byte of a multi-byte character alone reads as
