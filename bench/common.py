@@ -12,6 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS_DIR.parents[1]
+
+
+def cached_base_model(recipe: Path) -> Path:
+    """Where benchmarks keep the base model of `recipe` (runs/bench/<recipe name>/base_model): the launcher builds
+    and warms it up on first use and reuses it while its settings match (its marker file), so a warm-up that takes
+    many minutes on 2 cores runs once per machine, not once per benchmark."""
+    return ROOT / "runs" / "bench" / Path(recipe).stem / "base_model"
 
 
 def machine() -> dict:
