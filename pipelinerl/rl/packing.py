@@ -156,9 +156,8 @@ def packed_causal_mask(seq_ids: Tensor) -> Tensor:
     ``T x T`` tensor: for long rows prefer flash-attention with ``position_ids`` only.
     """
     seq_ids = seq_ids.reshape(-1)
-    t = seq_ids.numel()
-    causal = torch.ones(t, t, dtype=torch.bool, device=seq_ids.device).tril()
-    return (causal & (seq_ids[:, None] == seq_ids[None, :]))[None, None]
+    # built on every forward: one [T, T] tensor made causal in place, half the time of a tril() and an &
+    return (seq_ids[:, None] == seq_ids[None, :]).tril_()[None, None]
 
 
 def to_additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -267,8 +266,11 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
 
     Only one chunk's ``[chunk, vocab]`` float32 logits exist at a time (two buffers of that size in the
     forward, one in the backward), which recomputes them from the saved hidden states: one extra matmul per
-    chunk, the fused-linear cross-entropy trade. Saved for backward: ``hidden``, the parameters and one
-    float32 per row.
+    chunk, the fused-linear cross-entropy trade. Saved for backward: ``hidden``, the parameters, one float32
+    per row, and the forward's logits buffer, which the backward needs anyway: the forward visits the chunks
+    last to first, so the buffer ends up holding the first chunk's logits and the backward, which visits them
+    first to last, starts from those instead of recomputing them (no recomputation at all when the rows fit in
+    one chunk; the same peak memory, the same results, the chunks still summed into the gradients in order).
 
     ``apply(hidden [N, H], weight [V, H], bias [V] | None, targets [N], temperature, chunk_tokens,
     compute_dtype, with_entropy, entropy_grad) -> (logprobs [N], entropy [N] or [0])``, both float32. With
@@ -290,7 +292,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         b = bias.to(compute_dtype) if bias is not None else None
         rows = min(chunk_tokens, n)
         logits_buf, exp_buf = torch.empty(rows, vocab, **f32), torch.empty(rows, vocab, **f32)
-        for start in range(0, n, chunk_tokens):
+        for start in reversed(range(0, n, chunk_tokens)):  # last to first: see the class docstring
             end = min(start + chunk_tokens, n)
             logits = _scaled_logits(hidden[start:end], w, b, temperature, logits_buf[:end - start])
             picked = logits.gather(1, targets[start:end, None]).squeeze(1)
@@ -305,6 +307,8 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         ctx.entropy_grad = with_entropy and entropy_grad
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if ctx.entropy_grad else None)
         ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype = temperature, chunk_tokens, compute_dtype
+        # the first chunk's logits, untouched since (the softmax went to exp_buf), for the backward to start from
+        ctx.first_chunk_logits = logits_buf if n and any(ctx.needs_input_grad[:3]) else None
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -323,7 +327,12 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad = grad_logprobs.float()
         with_h = ctx.entropy_grad and grad_entropy is not None
         grad_h = grad_entropy.float() if with_h else None
-        logits_buf = torch.empty(min(chunk_tokens, n), vocab, dtype=torch.float32, device=hidden.device)
+        # taken, not kept: the loop below overwrites it, so another backward through this graph (retain_graph)
+        # recomputes every chunk
+        logits_buf, ctx.first_chunk_logits = ctx.first_chunk_logits, None
+        first_ready = logits_buf is not None
+        if logits_buf is None:
+            logits_buf = torch.empty(min(chunk_tokens, n), vocab, dtype=torch.float32, device=hidden.device)
         coef_buf = torch.empty_like(logits_buf) if with_h else None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, n, chunk_tokens):
@@ -332,7 +341,10 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 # d logprob / d z = onehot(target) - softmax(z), built in place on the recomputed logits; with the
                 # entropy's gradient dH / dz = -softmax(z) * (log softmax(z) + H) added:
                 # grad_z = onehot * g - p * (g + g_H * (log p + H))
-                grad_logits = _scaled_logits(rows, w, b, temperature, logits_buf[:end - start])
+                if start == 0 and first_ready:  # the forward's own logits of this chunk
+                    grad_logits = logits_buf[:end - start]
+                else:
+                    grad_logits = _scaled_logits(rows, w, b, temperature, logits_buf[:end - start])
                 log_p = grad_logits.sub_(lse[start:end, None])
                 if with_h:
                     g_h = grad_h[start:end, None]
