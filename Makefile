@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
 include launch/vllm_install.mk
 
-.PHONY: install run compare compare-algorithms compare-tools test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
+.PHONY: install run compare compare-algorithms compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -85,6 +85,13 @@ compare-algorithms: $(STAMP)
 # the code recipes: tiny_code_cpu's learning curve, and the interpreter as a tool against single-turn (docs/code.md)
 compare-tools: $(STAMP)
 	$(BIN)/python -m bench.code_tasks
+
+# pipelinerl against TRL's GRPOTrainer (issue 21): wall-clock time to the same held-out accuracy, each side's lr
+# tuned over a grid; recipes/tiny_cpu.yaml (~30 min), then recipes/long_mul_cpu.yaml (hours). Installs the `bench`
+# extra (TRL) on first use. bench/results/vs_trl_<recipe>.{json,png}; ARGS="--recipe recipes/tiny_cpu.yaml" for one.
+compare-trl: $(STAMP)
+	$(BIN)/python -c "import trl" 2>/dev/null || $(BIN)/python -m pip install -e ".[bench]"
+	$(BIN)/python -m bench.vs_trl $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
