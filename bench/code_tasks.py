@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, machine, run_comparison
+from bench.common import RESULTS_DIR, machine, run_comparison, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS: dict[str, tuple[str, list[str]]] = {  # name (no commas: --only splits on them) -> recipe, overrides
@@ -37,7 +36,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {  # name (no commas: --only splits on 
 def launch(recipe: str, run_dir: Path, overrides: list[str], timeout_s: int = 3600) -> list[dict]:
     cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(ROOT / "recipes" / recipe), f"run_dir={run_dir}",
            *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"run in {run_dir} failed:\n{r.stderr[-3000:]}")

@@ -15,6 +15,15 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ROOT = RESULTS_DIR.parents[1]
 
 
+def subprocess_env(threads: int | None = None) -> dict[str, str]:
+    """The environment for a benchmark's child `pipelinerl`/`python -m bench...` process: this one's, with the
+    checkout importable, and with `threads` pinning its OpenMP/MKL threads where given."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
 def cached_base_model(recipe: Path) -> Path:
     """Where benchmarks keep the base model of `recipe` (runs/bench/<recipe name>/base_model): the launcher builds
     and warms it up on first use and reuses it while its settings match (its marker file), so a warm-up that takes

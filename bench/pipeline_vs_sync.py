@@ -13,13 +13,12 @@ Two benchmarks share this module:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, machine, median, verdict
+from bench.common import RESULTS_DIR, machine, median, subprocess_env, verdict
 
 NAME = "pipeline_throughput"
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +27,7 @@ RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
 
 def launch(run_dir: Path, overrides: list[str], timeout_s: int = 1800, recipe: Path = RECIPE) -> list[dict]:
     cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(recipe), f"run_dir={run_dir}", *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = subprocess_env()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"run in {run_dir} failed:\n{r.stderr[-3000:]}")

@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, cached_base_model, machine
+from bench.common import RESULTS_DIR, cached_base_model, machine, subprocess_env
 
 NAME = "vs_trl"
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,13 +208,6 @@ def trainer_cores(cfg) -> int:
                + cfg.trainer.threads * cfg.trainer.num_processes)
 
 
-def _env(threads: int | None = None) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return env
-
-
 def _tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -236,7 +229,7 @@ def run_pipelinerl(recipe: Path, run_dir: Path, overrides: list[str], budget_s: 
     rows, seen, offset, stopped = [], [], 0, None
     launch_wall = time.time()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=ROOT)
         try:
             while True:
                 done = proc.poll() is not None
@@ -498,7 +491,7 @@ def run_trl(recipe: Path, run_dir: Path, overrides: list[str], lr: float, steps:
     stopped = None
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "bench.vs_trl", "--trl-worker", str(run_dir / "spec.json")],
-                                stdout=out, stderr=subprocess.STDOUT, env=_env(threads), cwd=ROOT)
+                                stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(threads), cwd=ROOT)
         try:
             proc.wait(timeout=budget_s)
         except subprocess.TimeoutExpired:
