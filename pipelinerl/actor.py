@@ -59,6 +59,10 @@ def dynamic_sampling_drop(samples: Sequence[Sample]) -> str | None:
     return "all_correct" if correct.pop() else "all_wrong"
 
 
+class RunStalled(RuntimeError):
+    """The run cannot make progress (dynamic sampling drops every group); the actor exits with an error."""
+
+
 class Actor:
     def __init__(self, cfg: RunConfig, engine_urls: list[str]):
         from transformers import AutoTokenizer
@@ -88,6 +92,8 @@ class Actor:
                        "requests_resent": 0}
         self.started = time.monotonic()
         self.launch_id = uuid.uuid4().hex[:8]
+        self.dropped_in_a_row = 0
+        self.stalled: str | None = None  # why the run cannot go on (dynamic sampling keeps dropping every group)
         self.down_until: dict[str, float] = {}  # engine URL -> until when it is not sent requests
 
     # --- the loop --------------------------------------------------------------------------------------------
@@ -118,6 +124,8 @@ class Actor:
         for e in self.engines:
             await e.aclose()
         self.samples.close()
+        if self.stalled:
+            raise RunStalled(self.stalled)
 
     def _may_start_group(self) -> bool:
         # The samples streamed or in flight that the trainer has not taken yet go before a group started now:
@@ -169,13 +177,30 @@ class Actor:
         under dynamic sampling and count why."""
         if self.cfg.actor.dynamic_sampling and (why := dynamic_sampling_drop(samples)) is not None:
             self.counts[f"groups_dropped_{why}"] += 1
+            self.dropped_in_a_row += 1
+            if self.dropped_in_a_row >= self.max_dropped_in_a_row > 0 and self.stalled is None:
+                self.stalled = (
+                    f"dynamic sampling dropped {self.dropped_in_a_row} groups in a row (since the start: "
+                    f"{self.counts['groups_dropped_all_wrong']} all wrong, {self.counts['groups_dropped_all_correct']}"
+                    f" all right, {self.counts['groups_streamed']} kept), so the trainer gets no samples: the policy "
+                    "gives no learning signal on these problems. Resume from an earlier checkpoint with a lower "
+                    "trainer.lr, use easier (or harder) problems, or raise actor.max_dropped_in_a_row (0: no limit)")
+                self.done = True
             return
+        self.dropped_in_a_row = 0
         self.samples.write_many([s.model_dump() for s in samples])
         self.streamed += len(samples)
         self.counts["groups_streamed"] += 1
         self.counts["samples_streamed"] = self.streamed
         self.state_path.write_text(json.dumps({"next_problem": self.next_problem,
                                                "streamed_samples": self.streamed}))
+
+    @property
+    def max_dropped_in_a_row(self) -> int:
+        limit = self.cfg.actor.max_dropped_in_a_row
+        if limit is None:  # ten steps' worth of groups
+            return 10 * max(1, self.cfg.trainer.samples_per_step // self.cfg.sampling.group_size)
+        return limit
 
     async def _generate_and_score(self, problem: dict) -> list[Sample]:
         if hasattr(self.task, "rollout"):
@@ -270,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     args = role_arguments("actor", __doc__.splitlines()[0], argv)
     actor = Actor(load_config(args.config), args.engines)
     signal.signal(signal.SIGTERM, lambda *_: setattr(actor, "done", True))
-    asyncio.run(actor.run())
+    try:
+        asyncio.run(actor.run())
+    except RunStalled as e:
+        log.error("%s", e)  # the launcher shows the end of this log and stops the run (the trainer checkpoints)
+        return 1
     return 0
 
 

@@ -369,9 +369,15 @@ class ActorConfig:
     # drop a group whose samples are all right or all wrong (`reward_parts["correct"]`, as DAPO and verl filter on
     # accuracy): it has no correctness signal, even where length shaping makes its rewards differ
     dynamic_sampling: bool = True
+    # under dynamic sampling, stop the run once this many groups in a row were dropped: a policy that answers every
+    # problem all right or all wrong gives no signal, and regenerating would go on forever (DAPO's
+    # max_num_gen_batches). None: ten steps' worth of groups (10 * samples_per_step / group_size); 0: never stop
+    max_dropped_in_a_row: Optional[int] = None  # noqa: UP045 (omegaconf needs Optional)
 
     def __post_init__(self) -> None:
         _check(self.max_lag >= 0, "actor.max_lag", "must be >= 0")
+        _check(self.max_dropped_in_a_row is None or self.max_dropped_in_a_row >= 0, "actor.max_dropped_in_a_row",
+               f"must be >= 0 (0: no limit) or null, got {self.max_dropped_in_a_row}")
         _check(self.concurrency >= 1, "actor.concurrency", "must be at least 1")
 
 

@@ -2,8 +2,10 @@
 
 import json
 
+import pytest
+
 from pipelinerl.actor import Actor, dynamic_sampling_drop
-from pipelinerl.config import load_config
+from pipelinerl.config import ConfigError, load_config
 from pipelinerl.contracts.inference import Completion
 from pipelinerl.rewards import RewardResult
 from pipelinerl.samples import Sample
@@ -57,3 +59,36 @@ def test_actor_drops_groups_without_a_correctness_signal(tmp_path, tiny_model_di
     assert actor.counts["groups_dropped_all_wrong"] == actor.counts["groups_dropped_all_correct"] == 1
     assert actor.counts["groups_streamed"] == 1 and actor.streamed == 3
     assert json.loads(actor.state_path.read_text())["streamed_samples"] == 3
+
+
+def test_actor_stops_the_run_when_every_group_is_dropped(tmp_path, tiny_model_dir):
+    """A collapsed policy (every group all wrong or all right) would make the actor regenerate forever: after
+    `actor.max_dropped_in_a_row` drops in a row it stops with the reason; a kept group starts the count again."""
+    cfg = load_config(None, [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "sampling.group_size=2",
+                             "trainer.samples_per_step=2", "actor.dynamic_sampling=true",
+                             "actor.max_dropped_in_a_row=3"])
+    actor = Actor(cfg, [])
+    wrong, right = RewardResult(0.0, {"correct": 0.0}), RewardResult(1.0, {"correct": 1.0})
+
+    def group(*results: RewardResult) -> list[Sample]:
+        return [actor._sample("g", [1, 2], [5], [-0.5], [0], "stop", r, {}) for r in results]
+
+    for _ in range(2):
+        actor._stream_group(group(wrong, wrong))
+    actor._stream_group(group(right, wrong))  # kept: the count starts again
+    actor._stream_group(group(right, right))
+    actor._stream_group(group(wrong, wrong))
+    assert actor.stalled is None and not actor.done
+    actor._stream_group(group(wrong, wrong))
+    assert actor.done and "dropped 3 groups in a row" in actor.stalled
+    assert "4 all wrong, 1 all right, 1 kept" in actor.stalled and "actor.max_dropped_in_a_row" in actor.stalled
+    actor.samples.close()
+
+
+def test_the_default_limit_is_ten_steps_of_groups(tmp_path, tiny_model_dir):
+    base = [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "sampling.group_size=4",
+            "trainer.samples_per_step=32"]
+    assert Actor(load_config(None, base), []).max_dropped_in_a_row == 80
+    assert Actor(load_config(None, [*base, "actor.max_dropped_in_a_row=0"]), []).max_dropped_in_a_row == 0
+    with pytest.raises(ConfigError, match="actor.max_dropped_in_a_row"):
+        load_config(None, [*base, "actor.max_dropped_in_a_row=-1"])

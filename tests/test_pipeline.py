@@ -241,3 +241,13 @@ def test_past_its_restart_limit_a_dead_engine_stops_the_run_naming_it(tmp_path):
     os.killpg(json.loads((run_dir / "pids.json").read_text())["engine1"], signal.SIGKILL)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1 and "engine1 exited with code -9" in err and "last lines of" in err
+
+
+def test_a_run_whose_every_group_is_dropped_stops_with_the_reason(tmp_path):
+    """Dynamic sampling on a random model: every group is all wrong, so no sample ever reaches the trainer. The
+    actor stops the run after `actor.max_dropped_in_a_row` drops instead of regenerating forever."""
+    r = launch(tmp_path / "run", "actor.dynamic_sampling=true", "actor.max_dropped_in_a_row=3",
+               "trainer.max_steps=1000")
+    assert r.returncode == 1
+    assert "actor exited with code 1" in r.stderr
+    assert "dynamic sampling dropped 3 groups in a row" in r.stderr and "3 all wrong" in r.stderr
