@@ -1,5 +1,5 @@
-"""Pipelined against synchronous RL on the heavier workload (recipes/long_mul_cpu.yaml: a 24M-parameter model
-writing 130-155-token answers), 1 engine thread and 1 trainer thread on the 2 cores.
+"""Pipelined against synchronous RL on the heavier workload (recipes/counting_cpu.yaml: a 24M-parameter model
+writing 130-token answers), 1 engine thread and 1 trainer thread on the 2 cores.
 
 The same measurement as `pipeline_throughput` (bench/pipeline_vs_sync.py): samples/s of the pipelined run
 (max_lag 2) against the synchronous one (max_lag 0) over their training periods, and the bound for the split,
@@ -7,7 +7,7 @@ The same measurement as `pipeline_throughput` (bench/pipeline_vs_sync.py): sampl
 step plus weight broadcast. Target: 90% of the bound. Here compute dominates, where the tiny recipe's
 per-step overhead does not let the overlap show as it would at scale.
 
-The base model's supervised warm-up takes long on 2 cores, so it is cached in runs/bench/long_mul_cpu/base_model
+The base model's supervised warm-up takes minutes on 2 cores, so it is cached in runs/bench/counting_cpu/base_model
 (shared with bench/vs_trl.py) and reused while its settings stay the same.
 """
 
@@ -17,7 +17,7 @@ from bench.common import cached_base_model
 from bench.pipeline_vs_sync import ROOT, measure_throughput
 
 NAME = "pipeline_throughput_heavy"
-RECIPE = ROOT / "recipes" / "long_mul_cpu.yaml"
+RECIPE = ROOT / "recipes" / "counting_cpu.yaml"
 
 
 def run(quick: bool = False) -> dict:

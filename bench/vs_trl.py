@@ -53,7 +53,7 @@ from bench.common import RESULTS_DIR, cached_base_model, machine, subprocess_env
 NAME = "vs_trl"
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
-HEAVY_RECIPE = ROOT / "recipes" / "long_mul_cpu.yaml"  # the heavier workload (a ~20M model, >=128-token answers)
+HEAVY_RECIPE = ROOT / "recipes" / "counting_cpu.yaml"  # the heavier workload (a ~20M model, >=128-token answers)
 WORK_DIR = ROOT / "runs" / "vs_trl"
 SIDES = ("pipelinerl", "trl")
 HEAVY_PARAMS, HEAVY_TOKENS = 20_000_000, 128  # the heavier workload, which has the 2x target
@@ -811,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", action="append", default=None,
                         help="a recipe to compare on (repeatable); default: recipes/tiny_cpu.yaml, then "
-                             "recipes/long_mul_cpu.yaml")
+                             "recipes/counting_cpu.yaml")
     parser.add_argument("--lrs-pipelinerl", default="", help="comma-separated lrs (default: recipe lr x 1/10, 1/3, "
                         "1, 3)")
     parser.add_argument("--lrs-trl", default="", help="comma-separated lrs (default: as pipelinerl's)")

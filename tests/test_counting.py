@@ -1,0 +1,81 @@
+"""The heavier benchmark workload's task (pipelinerl/tasks/counting.py): its worked answers are right, long, and
+scored only on the stated last number; the recipe loads and its task builds from the dotted path."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pipelinerl.config import ConfigError, load_config
+from pipelinerl.tasks import check_task
+from pipelinerl.tasks.counting import CountingTask, count_lines, parse_final_answer, score_counting
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "counting_cpu.yaml"
+
+
+def score(problem: dict, completion: str, finish_reason: str = "stop") -> float:
+    return score_counting({"problem": problem, "completion": completion, "finish_reason": finish_reason}).reward
+
+
+def test_every_line_is_true_arithmetic_modulo_the_digits():
+    rng = random.Random(0)
+    for _ in range(300):
+        digits, lines = rng.randint(1, 5), rng.randint(1, 20)
+        start, step = rng.randrange(10**digits), rng.randint(1, 9)
+        worked = count_lines(start, step, digits, lines)
+        assert len(worked) == lines + 1
+        x = start
+        for line in worked[:-1]:
+            lhs, result = line.split("=")
+            a, b = lhs.split("+")
+            assert len(a) == len(result) == digits  # zero-padded, least significant digit first
+            assert int(a[::-1]) == x and int(b) == step
+            x = int(result[::-1])
+            assert x == (int(a[::-1]) + step) % 10**digits
+        assert worked[-1] == f"answer {str(x).zfill(digits)[::-1]}"
+        assert x == (start + lines * step) % 10**digits
+
+
+def test_reward_reads_only_the_final_number():
+    problem = {"start": 137, "step": 8, "digits": 3, "lines": 12}
+    good = CountingTask().target(problem)
+    assert good.endswith("answer 332")  # 137 + 96 = 233, reversed
+    assert parse_final_answer(good) == 233
+    assert score(problem, good) == 1.0
+    assert score(problem, good + "\n") == 1.0
+    assert score(problem, good, finish_reason="length") == 0.0  # truncated: never scored as right
+    assert score(problem, good.replace("answer 332", "answer 333")) == 0.0
+    assert score(problem, good.replace("answer 332", "answer 233")) == 0.0  # not reversed: wrong
+    assert score(problem, "answer 332") == 1.0  # the worked lines are the model's business
+    assert score(problem, good.rsplit("\n", 1)[0]) == 0.0  # no answer line
+    assert score(problem, good + "\nanswer 1") == 0.0  # the last answer counts
+    assert score(problem, "answer " + "9" * 5000) == 0.0
+
+
+def test_answers_are_long_and_splits_disjoint():
+    task = CountingTask(num_train=3000, num_eval=100)
+    train, held_out = task.train_problems(), task.eval_problems()
+    assert len(train) == 3000 and len(held_out) == 100
+    assert not {(p["start"], p["step"]) for p in train} & {(p["start"], p["step"]) for p in held_out}
+    assert {len(task.target(p)) for p in train + held_out} == {130}
+    assert CountingTask(num_train=10, num_eval=5).eval_problems() == held_out[:5]  # independent of num_train
+    for p in held_out[:20]:
+        assert score(p, task.target(p)) == 1.0
+    with pytest.raises(ValueError, match="digits"):
+        CountingTask(digits=0)
+    with pytest.raises(ValueError, match="num_train"):
+        CountingTask(digits=2, num_train=1000)
+
+
+def test_the_recipe_builds_its_task_and_fits_its_answers():
+    cfg = load_config(RECIPE)
+    task = check_task(cfg.task)
+    assert isinstance(task, CountingTask)
+    prompt_len = max(len(task.prompt(p)) for p in task.eval_problems())
+    answer_len = max(len(task.target(p)) + 1 for p in task.eval_problems())  # +1: the end token
+    assert cfg.sampling.max_new_tokens >= answer_len >= 128
+    assert cfg.engine.max_model_len >= prompt_len + cfg.sampling.max_new_tokens
+    with pytest.raises(ConfigError, match="task.args"):
+        check_task(load_config(RECIPE, ["task.args.digits=9"]).task)
