@@ -87,7 +87,7 @@ compare-tools: $(STAMP)
 	$(BIN)/python -m bench.code_tasks
 
 # pipelinerl against TRL's GRPOTrainer (issue 21): wall-clock time to the same held-out accuracy, each side's lr
-# tuned over a grid; recipes/tiny_cpu.yaml (~30 min), then recipes/counting_cpu.yaml (about 2 hours). Installs the `bench`
+# tuned over a grid; recipes/tiny_cpu.yaml (~30 min), then recipes/counting_cpu.yaml (hours). Installs the `bench`
 # extra (TRL) on first use. bench/results/vs_trl_<recipe>.{json,png}; ARGS="--recipe recipes/tiny_cpu.yaml" for one.
 compare-trl: $(STAMP)
 	$(BIN)/python -c "import trl" 2>/dev/null || $(BIN)/python -m pip install -e ".[bench]"

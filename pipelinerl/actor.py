@@ -180,11 +180,12 @@ class Actor:
             self.dropped_in_a_row += 1
             if self.dropped_in_a_row >= self.max_dropped_in_a_row > 0 and self.stalled is None:
                 self.stalled = (
-                    f"dynamic sampling dropped {self.dropped_in_a_row} groups in a row (since the start: "
+                    f"dynamic sampling dropped {self.dropped_in_a_row} groups in a row (since this actor started: "
                     f"{self.counts['groups_dropped_all_wrong']} all wrong, {self.counts['groups_dropped_all_correct']}"
                     f" all right, {self.counts['groups_streamed']} kept), so the trainer gets no samples: the policy "
-                    "gives no learning signal on these problems. Resume from an earlier checkpoint with a lower "
-                    "trainer.lr, use easier (or harder) problems, or raise actor.max_dropped_in_a_row (0: no limit)")
+                    "gives no learning signal on these problems. Restart from a checkpoint before the collapse with a "
+                    "lower trainer.lr (a run resumes from the newest of RUN_DIR/checkpoints/step_*: move the later "
+                    "ones aside), use easier (or harder) problems, or raise actor.max_dropped_in_a_row (0: no limit)")
                 self.done = True
             return
         self.dropped_in_a_row = 0

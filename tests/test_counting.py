@@ -52,6 +52,9 @@ def test_reward_reads_only_the_final_number():
     assert score(problem, good.rsplit("\n", 1)[0]) == 0.0  # no answer line
     assert score(problem, good + "\nanswer 1") == 0.0  # the last answer counts
     assert score(problem, "answer " + "9" * 5000) == 0.0
+    twelve = {"start": 0, "step": 1, "digits": 3, "lines": 12}  # ends at 12, written "210"
+    assert score(twelve, "answer 210") == 1.0
+    assert score(twelve, "answer 21") == score(twelve, "answer 2100") == 0.0  # the padding is part of the answer
 
 
 def test_answers_are_long_and_splits_disjoint():

@@ -88,7 +88,9 @@ def test_actor_stops_the_run_when_every_group_is_dropped(tmp_path, tiny_model_di
 def test_the_default_limit_is_ten_steps_of_groups(tmp_path, tiny_model_dir):
     base = [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "sampling.group_size=4",
             "trainer.samples_per_step=32"]
-    assert Actor(load_config(None, base), []).max_dropped_in_a_row == 80
-    assert Actor(load_config(None, [*base, "actor.max_dropped_in_a_row=0"]), []).max_dropped_in_a_row == 0
+    for overrides, limit in (([], 80), (["actor.max_dropped_in_a_row=0"], 0)):
+        actor = Actor(load_config(None, [*base, *overrides]), [])
+        assert actor.max_dropped_in_a_row == limit
+        actor.samples.close()
     with pytest.raises(ConfigError, match="actor.max_dropped_in_a_row"):
         load_config(None, [*base, "actor.max_dropped_in_a_row=-1"])

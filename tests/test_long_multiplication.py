@@ -67,4 +67,3 @@ def test_answers_are_long_and_splits_disjoint():
         LongMultiplicationTask(digits_a=0)
     with pytest.raises(ValueError, match="num_train"):
         LongMultiplicationTask(digits_a=1, digits_b=1, num_train=100)
-

@@ -248,6 +248,6 @@ def test_a_run_whose_every_group_is_dropped_stops_with_the_reason(tmp_path):
     actor stops the run after `actor.max_dropped_in_a_row` drops instead of regenerating forever."""
     r = launch(tmp_path / "run", "actor.dynamic_sampling=true", "actor.max_dropped_in_a_row=3",
                "trainer.max_steps=1000")
-    assert r.returncode == 1
+    assert r.returncode == 1, r.stderr[-3000:]
     assert "actor exited with code 1" in r.stderr
     assert "dynamic sampling dropped 3 groups in a row" in r.stderr and "3 all wrong" in r.stderr

@@ -1,11 +1,12 @@
-"""Counting on from a number in steps of a digit, written out line by line: long answers a mid-sized model learns
-in minutes.
+"""Counting on from a number in steps of a digit, written out line by line: long answers whose format a mid-sized
+model learns within minutes.
 
 The heavier benchmark workload (bench/vs_trl.py, bench/pipeline_heavy.py, recipes/counting_cpu.yaml) needs answers
 of at least 128 tokens from a model of at least 20M parameters, warmed up on 2 cores to a low but real success rate
-that RL then raises. Long multiplication (`long_multiplication`) has the length, but a 24M model had learned neither
-the multiplication table nor 3-digit addition after 300 warm-up steps; adding one digit with its carry, line after
-line, it learns in about a hundred.
+that RL then raises. Long multiplication (`long_multiplication`) has the length, but a 24M model had not one product
+right after 200 warm-up steps (batch 16), and sums of two 3-digit numbers (a Fibonacci sequence) gave 2% of the
+held-out problems after 300; adding one digit with its carry, line after line, the same model's loss is 0.06 after
+400 steps (recipes/counting_cpu.yaml: 3.5% of the held-out answers right at temperature 1, every line must be).
 
 Every number is written least significant digit first and zero-padded to `digits` (a left-to-right model then
 carries as it goes), and the sum is kept modulo 10**digits. From 137 in steps of 8, at 3 digits:
@@ -13,12 +14,13 @@ carries as it goes), and the sum is kept modulo 10**digits. From 137 in steps of
     731 8              <- the prompt: the start (137, reversed) and the step
     731+8=541          <- 137 + 8 = 145, reversed
     541+8=351          <- 153
-    ...                (`lines` lines in all)
+    ...                (`lines` addition lines, then the answer line)
     answer 332         <- the last number (137 + 12 * 8 = 233), reversed; then the end token
 
 At 3 digits and 12 lines every answer is exactly 130 characters (one token each with the tiny models' tokenizer).
-Only the final line is scored: the number after "answer " must be the last one exactly; a wrong line on the way
-makes it wrong. The held-out set is drawn first from its own seeded stream and the training set excludes it, as in
+Only the final line is scored: the digits after "answer " must be the last number as written (reversed and
+zero-padded: "answer 21" for 12 at 3 digits is wrong, "answer 210" right); a wrong line on the way makes it
+wrong. The held-out set is drawn first from its own seeded stream and the training set excludes it, as in
 `arithmetic`.
 """
 
@@ -65,7 +67,8 @@ def score_counting(item: dict) -> RewardResult:
     problem, completion = item["problem"], item["completion"]
     if item.get("finish_reason", "stop") != "stop":
         return RewardResult(0.0, {"correct": 0.0, "truncated": 1.0})
-    correct = float(parse_final_answer(completion) == last_number(problem))
+    m = _FINAL.search(completion.strip()[-64:])
+    correct = float(m is not None and m.group(1) == written(last_number(problem), problem["digits"]))
     return RewardResult(correct, {"correct": correct})
 
 
@@ -118,7 +121,7 @@ class CountingTask:
         return [self._problem("eval", i, key) for i, key in enumerate(self._eval_keys)]
 
     def prompt(self, problem: dict) -> str:
-        return f"{written(problem['start'], self.digits)} {problem['step']}\n"
+        return f"{written(problem['start'], problem['digits'])} {problem['step']}\n"
 
     def target(self, problem: dict, eos: str = "") -> str:
-        return "\n".join(count_lines(problem["start"], problem["step"], self.digits, self.lines)) + eos
+        return "\n".join(count_lines(problem["start"], problem["step"], problem["digits"], problem["lines"])) + eos
