@@ -259,3 +259,15 @@ def test_a_task_plugs_in_by_dotted_path_with_its_own_args(tmp_path, monkeypatch)
     with RewardPool(1, 10.0) as pool:
         results = pool.score(task.reward_fn, [reward_item(p, p["answer"], "stop") for p in task.train_problems()])
     assert [r.reward for r in results] == [1.0, 1.0]
+
+
+def test_draw_distinct_keeps_order_excludes_and_says_when_the_space_is_too_small():
+    import random
+
+    from pipelinerl.tasks.base import draw_distinct
+
+    keys = draw_distinct(50, random.Random(0), lambda r: r.randrange(100), exclude=frozenset(range(10)))
+    assert len(set(keys)) == 50 and not set(keys) & set(range(10))
+    assert keys == draw_distinct(50, random.Random(0), lambda r: r.randrange(100), exclude=frozenset(range(10)))
+    with pytest.raises(ValueError, match="cannot draw 11 distinct problems; lower num_train"):
+        draw_distinct(11, random.Random(0), lambda r: r.randrange(10), hint="; lower num_train")

@@ -9,7 +9,8 @@ scoring function is a top-level function (imported by module and name in the wor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -23,6 +24,24 @@ class Task(Protocol):
     def eval_problems(self) -> list[dict]: ...
 
     def prompt(self, problem: dict) -> str: ...
+
+
+def draw_distinct(count: int, rng: random.Random, make_key: Callable[[random.Random], Hashable],
+                  exclude: frozenset = frozenset(), hint: str = "") -> list:
+    """`count` distinct keys drawn by `make_key(rng)` and not in `exclude`, in the order first drawn. Tasks draw
+    their held-out set first, from a stream of its own, and the training set excluding it, so the held-out problems
+    do not depend on num_train and are never trained on. Raises ValueError (with `hint`) when the draws keep
+    repeating: the space is too small for `count`."""
+    out: dict[Hashable, None] = {}
+    tries = 0
+    while len(out) < count:
+        tries += 1
+        if tries > 100 * count + 10_000:
+            raise ValueError(f"cannot draw {count} distinct problems{hint}")
+        key = make_key(rng)
+        if key not in exclude:
+            out[key] = None
+    return list(out)
 
 
 def reward_item(problem: dict, completion: str, finish_reason: str, **extra: Any) -> dict:

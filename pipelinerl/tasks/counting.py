@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass
 
 from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.tasks.base import draw_distinct
 
 _FINAL = re.compile(r"answer (\d{1,32})\s*$")  # capped: a runaway string of digits is wrong anyway
 
@@ -95,12 +96,7 @@ class CountingTask:
                              f"{space} possible problems; lower them or use more digits")
 
     def _draw(self, count: int, rng: random.Random, exclude: frozenset) -> list[tuple[int, int]]:
-        out: dict[tuple[int, int], None] = {}
-        while len(out) < count:
-            key = (rng.randrange(10**self.digits), rng.randint(1, 9))
-            if key not in exclude:
-                out[key] = None
-        return list(out)
+        return draw_distinct(count, rng, lambda r: (r.randrange(10**self.digits), r.randint(1, 9)), exclude)
 
     @functools.cached_property
     def _eval_keys(self) -> list[tuple[int, int]]:

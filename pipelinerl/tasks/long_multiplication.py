@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 
 from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.tasks.base import draw_distinct
 
 _FINAL = re.compile(r"answer (\d{1,32})\s*$")  # capped: a runaway string of digits is wrong anyway
 
@@ -100,12 +101,8 @@ class LongMultiplicationTask:
         return int("".join(str(rng.randint(1, 9)) for _ in range(digits)))
 
     def _draw(self, count: int, rng: random.Random, exclude: frozenset) -> list[tuple[int, int]]:
-        out: dict[tuple[int, int], None] = {}
-        while len(out) < count:
-            key = (self._operand(rng, self.digits_a), self._operand(rng, self.digits_b))
-            if key not in exclude:
-                out[key] = None
-        return list(out)
+        return draw_distinct(count, rng, lambda r: (self._operand(r, self.digits_a), self._operand(r, self.digits_b)),
+                             exclude)
 
     @functools.cached_property
     def _eval_keys(self) -> list[tuple[int, int]]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from pipelinerl.rewards.code import code_reward
 from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.tasks.base import draw_distinct
 
 # step name -> (how it reads in the prompt, precedence of the result). Precedence (higher binds tighter):
 # 1 + -, 2 * // %, 3 unary minus, 4 **, 5 an atom.
@@ -93,17 +94,9 @@ class TinyCodeTask:
                      for step in (rng.choice(self.steps) for _ in range(length)))
 
     def _draw(self, count: int, rng: random.Random, exclude: frozenset) -> list[tuple]:
-        out: dict[tuple, None] = {}
-        tries = 0
-        while len(out) < count:
-            chain = self._random_chain(rng)
-            tries += 1
-            if tries > 100 * count + 10_000:
-                raise ValueError(f"cannot draw {count} distinct problems with max_steps={self.max_steps}, "
-                                 f"max_k={self.max_k}, steps={list(self.steps)}; lower num_train or num_eval")
-            if chain not in exclude:
-                out[chain] = None
-        return list(out)
+        return draw_distinct(count, rng, self._random_chain, exclude,
+                             hint=f" with max_steps={self.max_steps}, max_k={self.max_k}, steps={list(self.steps)}; "
+                                  "lower num_train or num_eval")
 
     @functools.cached_property
     def _eval_chains(self) -> list[tuple]:
