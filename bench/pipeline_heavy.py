@@ -22,7 +22,10 @@ RECIPE = ROOT / "recipes" / "counting_cpu.yaml"
 
 def run(quick: bool = False) -> dict:
     steps, skip = (12, 3) if quick else (40, 5)
-    return measure_throughput(RECIPE, steps, skip, cached_base_model(RECIPE), timeout_s=7200)
+    # one thread each, as the issue asks: the bound assumes the two sides do not share a core, which the recipe's
+    # 2 trainer threads beside the engine's 1 do (faster in absolute terms; docs/benchmarks.md)
+    return measure_throughput(RECIPE, steps, skip, cached_base_model(RECIPE), timeout_s=7200,
+                              extra=["trainer.threads=1"])
 
 
 if __name__ == "__main__":

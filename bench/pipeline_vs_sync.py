@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import RESULTS_DIR, machine, median, subprocess_env, verdict
@@ -41,12 +42,13 @@ def throughput(rows: list[dict], skip: int) -> float:
     return (last["samples_total"] - first["samples_total"]) / (last["time"] - first["time"])
 
 
-def measure_throughput(recipe: Path, steps: int, skip: int, model_path: Path, timeout_s: int = 1800) -> dict:
+def measure_throughput(recipe: Path, steps: int, skip: int, model_path: Path, timeout_s: int = 1800,
+                       extra: Sequence[str] = ()) -> dict:
     """Pipelined (max_lag 2) then synchronous (max_lag 0) runs of `recipe` from the base model at `model_path`
     (built and warmed up by the first run, then reused, so warm-up is part of neither measurement); returns the
     result dict of the benchmark."""
     common = [f"trainer.max_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0",
-              f"model.path={model_path}"]
+              f"model.path={model_path}", *extra]
     with tempfile.TemporaryDirectory(prefix="pipelinerl-bench-") as tmp:
         base = Path(tmp)
         pipelined = launch(base / "pipelined", common + ["actor.max_lag=2"], timeout_s, recipe)
@@ -67,6 +69,7 @@ def measure_throughput(recipe: Path, steps: int, skip: int, model_path: Path, ti
         "bound": bound, "t_gen_s": t_gen, "t_train_s": t_train,
         "fraction_of_bound": ratio / bound,
         "settings": {"recipe": str(recipe.relative_to(ROOT)), "steps": steps, "skipped_steps": skip,
+                     "overrides": list(extra),
                      "pipelined": "actor.max_lag=2", "sync": "actor.max_lag=0"},
         "machine": machine(),
     }

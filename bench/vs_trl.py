@@ -203,9 +203,10 @@ def model_size(path: Path) -> int:
 
 
 def trainer_cores(cfg) -> int:
-    """The CPU threads a pipelinerl run of `cfg` computes with: its engines' and its trainer processes'."""
-    return max(1, cfg.engine.threads * max(1, cfg.engine.num_engines)
-               + cfg.trainer.threads * cfg.trainer.num_processes)
+    """The cores a pipelinerl run of `cfg` computes on: its engines' and its trainer processes' threads, but no more
+    than the machine has (a recipe may give its trainer a core it shares with the engine, as counting_cpu does)."""
+    threads = cfg.engine.threads * max(1, cfg.engine.num_engines) + cfg.trainer.threads * cfg.trainer.num_processes
+    return max(1, min(threads, os.cpu_count() or threads))
 
 
 def _tail(path: Path, lines: int = 30) -> str:
