@@ -31,7 +31,7 @@ def receive(spare, state, bucket_bytes):
     """What the engine's receive thread does, with the broadcast simulated: each bucket's bytes (garbage in
     the padding) land in the flat buffer its targets share, then `after_bucket`; then the switch."""
     specs = [TensorSpec.of(n, t) for n, t in state.items()]
-    plan = spare.staging(specs, bucket_bytes, CPU)
+    plan = spare.staging(specs, bucket_bytes)
     sent = wire_buffers(specs, bucket_bytes)
     for t in sent:
         torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).fill_(0xA5)
@@ -124,3 +124,28 @@ def test_in_sibling_order_nothing_is_copied(engine_side, bucket_bytes):
         spare.switch(received)
         expected.update(state)
         assert_live(params, runner, expected)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 4096, 1 << 20])
+def test_weights_off_the_host_are_staged_and_switched_on_their_own_device(tiny_model_dir, bucket_bytes):
+    """The GPU case, with the meta device standing in for the GPU: a gloo group receives through host memory,
+    but the arenas and spares an update is staged in must lie where the weights do, or the switch would make a
+    host tensor live in a GPU model (and a fused q/k/v buffer cannot point into host memory at all: the first
+    bucketed update on a GPU raised there, and the trainer's broadcast then waited out its timeout)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().to("meta")
+    runner = make_runner(model, 2, 16)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    spare = SpareWeights(params, runner.fused_groups)
+    unique = dict(model.named_parameters())
+    names = [list(unique)[i] for i in sibling_order(list(unique))]
+    for _ in range(2):  # the second update reuses an arena or the spares
+        plan = spare.staging([TensorSpec.of(n, unique[n]) for n in names], bucket_bytes)
+        assert {t.device.type for t in plan.targets} == {"meta"}
+        spare.switch(names)
+        assert {p.device.type for p in params.values()} == {"meta"}
+        assert {buffer.device.type for buffer, _ in runner.fused_groups} == {"meta"}
+    # and a region received on another device is never made a piece of the weights' arena
+    storage = spare._where[names[0]][0]
+    elsewhere = {m: torch.empty(storage.live.shape if start is None else storage.live[start:end].shape)
+                 for m, (_, start, end) in enumerate(storage.members)}
+    assert storage.arena_region(elsewhere) is None

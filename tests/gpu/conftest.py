@@ -84,5 +84,7 @@ def pipelinerl_run(recipe: str, run_dir: Path, *overrides: str, timeout_s: float
     """`pipelinerl run RECIPE run_dir=RUN_DIR OVERRIDES` from the repository root, output captured."""
     cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(ROOT / "recipes" / recipe), f"run_dir={run_dir}",
            *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    # dies with this process (a killed test run leaves no trainer or engine holding the GPU)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "PIPELINERL_DIE_WITH_PARENT": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -197,7 +197,7 @@ class _Process:
         weights if `build_copies` (the engine is decoding: see `ThreadReceiver._receive` in receiving.py)."""
         group = self._group()
         names = [s.name for s in specs]
-        plan = self.spare.staging(specs, bucket_bytes, group.device)
+        plan = self.spare.staging(specs, bucket_bytes)
         copies = UpdateCopies(self.book, self.spare.incoming(names), eager=build_copies)
         last_byte = time.perf_counter()
 

@@ -178,7 +178,7 @@ class ThreadReceiver(UpdateReceiver):
         engine = self.engine
         engine.cpus.pin_transfer()  # a pool thread: pinned again each time, it costs one system call
         group = self.group
-        plan = engine.spare.staging(specs, bucket_bytes, group.device)
+        plan = engine.spare.staging(specs, bucket_bytes)
         copies = None
         if engine.transposed_copies:
             # Copies before the switch only where it matters: with sequences decoding. With none, the switch

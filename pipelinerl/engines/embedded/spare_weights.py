@@ -63,6 +63,8 @@ class _Storage:
         live = self.live
         if len(received) != len(self.members):
             return None
+        if any(t.device != live.device for t in received.values()):  # received elsewhere: copied in instead
+            return None
         if self.members[0][1] is None:  # a parameter on its own
             t = received[0]
             return t if (t.dtype, t.shape) == (live.dtype, live.shape) else None
@@ -175,8 +177,13 @@ class SpareWeights:
         self._switch_key: tuple[str, ...] | None = None
         self._switch_cached: list[tuple[_Storage, bool, set[int]]] = []
 
-    def staging(self, specs: Sequence[TensorSpec], bucket_bytes: int, device: torch.device) -> StagingPlan:
-        """Where to receive an update of `specs` (checked against the model) so that `switch` makes it live."""
+    def staging(self, specs: Sequence[TensorSpec], bucket_bytes: int) -> StagingPlan:
+        """Where to receive an update of `specs` (checked against the model) so that `switch` makes it live.
+
+        Always on the weights' own device, whatever the group's: a gloo group moves the bytes through host
+        memory, and on a GPU `receive_tensors` copies each bucket from there into these (a spare on the host
+        would otherwise become a live weight on the wrong device at the switch)."""
+        device = self._storages[0].live.device
         if bucket_bytes <= 0:  # per tensor: each tensor is its own broadcast, received straight into its spare
             plan = StagingPlan([self._where[s.name][0].spare_view(self._where[s.name][1]) for s in specs])
         else:

@@ -1,0 +1,42 @@
+"""Checks that one GPU is enough for: the embedded engine on a GPU against the inference contract (the conformance
+suite, this process as its trainer over gloo), and the ZeRO-3 trainer path of the 7B/32B recipes (DeepSpeed on
+CUDA, the parameters gathered bucket by bucket and pushed into an engine on the same GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelinerl.conformance import FAIL, Settings, format_table, run_suite
+
+from .conftest import engine_on_gpu, needs_gpus, pipelinerl_run
+from .test_gpu_runs import finished, resolved
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), needs_gpus(1, "an engine or a trainer on a GPU")]
+
+
+def test_embedded_engine_on_a_gpu_passes_the_conformance_suite(gpu_model_dir, tmp_path):
+    """float32 on the GPU, so its log-probs can be held to the suite's CPU rescoring; the tolerance is the GPU
+    vLLM tests' (cuBLAS and the attention kernels sum in other orders than the CPU)."""
+    extra = ["--dtype", "float32", "--max-model-len", "1024", "--max-running-seqs", "8"]
+    with engine_on_gpu(gpu_model_dir, tmp_path / "engine.log", gpu=0, extra=extra) as client:
+        results = run_suite(client.url, str(gpu_model_dir), settings=Settings(atol=1e-2), log=print)
+    print(format_table(results))
+    assert not [r for r in results if r.status == FAIL], format_table(results)
+
+
+def test_zero3_trainer_of_one_process_on_a_gpu_pushes_to_an_engine(tmp_path):
+    """`launch/accelerate/deepspeed_zero3.yaml` with one process: DeepSpeed's ZeRO-3 engine on CUDA in bfloat16,
+    its gathered parameters pushed over gloo into the engine beside it on GPU 0, every step."""
+    run_dir = tmp_path / "run"
+    steps = 5
+    result = pipelinerl_run("tiny_cpu.yaml", run_dir, f"trainer.max_steps={steps}", "trainer.eval_every=0",
+                            "trainer.num_processes=1",
+                            "trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml",
+                            "engine.colocate_with_trainer=true")
+    finished(result, run_dir, steps)
+    assert "trainer on GPUs 0" in result.stdout, result.stdout
+    cfg = resolved(run_dir)
+    assert cfg["model"]["dtype"] == "bfloat16" and cfg["weight_sync"]["backend"] == "gloo"
+    # DeepSpeed wrote its ZeRO partition into the final checkpoint (accelerate's save_state)
+    shards = {p.name for p in (run_dir / "checkpoints").rglob("*zero_pp_rank_*")}
+    assert any("zero_pp_rank_0_" in name for name in shards), f"no ZeRO partition saved: {shards}"
