@@ -271,3 +271,12 @@ def test_draw_distinct_keeps_order_excludes_and_says_when_the_space_is_too_small
     assert keys == draw_distinct(50, random.Random(0), lambda r: r.randrange(100), exclude=frozenset(range(10)))
     with pytest.raises(ValueError, match="cannot draw 11 distinct problems; lower num_train"):
         draw_distinct(11, random.Random(0), lambda r: r.randrange(10), hint="; lower num_train")
+
+
+def test_stated_answer_reads_the_final_answer_line_as_written():
+    from pipelinerl.tasks.base import stated_answer
+
+    assert stated_answer("1 + 2 = 3\nanswer 0332\n") == "0332"  # leading zeros kept: scoring compares as written
+    assert stated_answer("answer 12\nmore text") is None  # not the last line
+    assert stated_answer("answer \nanswer") is None
+    assert stated_answer("answer " + "9" * 40) is None  # a runaway string of digits is not an answer

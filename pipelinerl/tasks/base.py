@@ -10,6 +10,7 @@ scoring function is a top-level function (imported by module and name in the wor
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol, runtime_checkable
 
@@ -76,3 +77,13 @@ def json_records(text: str, source: str) -> list:
         except json.JSONDecodeError as e:
             raise ValueError(f"{source}: neither a JSON list nor JSON Lines: {e}") from None
     return [records] if isinstance(records, dict) else records
+
+
+_ANSWER_LINE = re.compile(r"answer (\d{1,32})\s*$")  # capped: a runaway string of digits is wrong anyway
+
+
+def stated_answer(completion: str) -> str | None:
+    """The digits of a scratchpad task's final line ("answer 0332" -> "0332"), exactly as written, or None
+    where the completion does not end with such a line."""
+    m = _ANSWER_LINE.search(completion.strip()[-64:])
+    return m.group(1) if m else None

@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import functools
 import random
-import re
 from dataclasses import dataclass
 
 from pipelinerl.rewards.pool import RewardResult
-from pipelinerl.tasks.base import draw_distinct
-
-_FINAL = re.compile(r"answer (\d{1,32})\s*$")  # capped: a runaway string of digits is wrong anyway
+from pipelinerl.tasks.base import draw_distinct, stated_answer
 
 
 def written(n: int, digits: int) -> str:
@@ -59,8 +56,8 @@ def last_number(problem: dict) -> int:
 
 def parse_final_answer(completion: str) -> int | None:
     """The number the completion states on its last line ("answer 332" -> 233), or None."""
-    m = _FINAL.search(completion.strip()[-64:])
-    return int(m.group(1)[::-1]) if m else None
+    digits = stated_answer(completion)
+    return int(digits[::-1]) if digits is not None else None
 
 
 def score_counting(item: dict) -> RewardResult:
@@ -68,8 +65,7 @@ def score_counting(item: dict) -> RewardResult:
     problem, completion = item["problem"], item["completion"]
     if item.get("finish_reason", "stop") != "stop":
         return RewardResult(0.0, {"correct": 0.0, "truncated": 1.0})
-    m = _FINAL.search(completion.strip()[-64:])
-    correct = float(m is not None and m.group(1) == written(last_number(problem), problem["digits"]))
+    correct = float(stated_answer(completion) == written(last_number(problem), problem["digits"]))
     return RewardResult(correct, {"correct": correct})
 
 

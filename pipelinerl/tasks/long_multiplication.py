@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import functools
 import random
-import re
 from dataclasses import dataclass
 
 from pipelinerl.rewards.pool import RewardResult
-from pipelinerl.tasks.base import draw_distinct
-
-_FINAL = re.compile(r"answer (\d{1,32})\s*$")  # capped: a runaway string of digits is wrong anyway
+from pipelinerl.tasks.base import draw_distinct, stated_answer
 
 
 def rev(n: int) -> str:
@@ -63,8 +60,8 @@ def scratchpad(a: int, b: int) -> str:
 
 def parse_final_answer(completion: str) -> int | None:
     """The product the completion states on its last line ("answer 269061" -> 160962), or None."""
-    m = _FINAL.search(completion.strip()[-64:])
-    return int(m.group(1)[::-1]) if m else None
+    digits = stated_answer(completion)
+    return int(digits[::-1]) if digits is not None else None
 
 
 def score_long_multiplication(item: dict) -> RewardResult:
