@@ -9,7 +9,9 @@ rewards, behaviour log-probs near the random model's), built once:
   the loss and its stats, backward, clipping, AdamW, the scheduler;
 - bare: a fresh copy of the same model (same weights, sdpa, fp32) and its own `torch.optim.AdamW` (the
   trainer's betas and weight decay), on the very micro-batches the trainer packs (`build_step`, done once,
-  outside the timing): the same input ids, position ids and block-diagonal causal mask (built once too).
+  outside the timing), laid out as the trainer lays them out (`pipelinerl.rl.packing.packed_model_inputs`, once,
+  outside the timing): right-padded rows where they cost less than one packed row under a block-diagonal causal
+  mask (the headline model's ~128-token samples), else that row and mask.
   Per micro-batch: decoder forward -> LM head on every row -> log_softmax -> gather of the target tokens ->
   loss = sum of -advantage * log-prob over the completion tokens / samples -> backward; then
   clip_grad_norm_ (the trainer's grad_clip) -> step -> zero_grad. No framework.
@@ -30,7 +32,7 @@ Where the difference goes:
   `entropy_bonus` (entropy_coef 0.01: the entropy carries a gradient), `logprob_chunk_256`
   (logprob_chunk_tokens 256 instead of 1024); and `bare_chunked_head`, the bare loop with the trainer's
   log-prob gathering (`pipelinerl.rl.packing.packed_logprobs`: chunked LM head whose backward recomputes the
-  logits of every chunk but the first, the mask built per forward) in place of log_softmax + gather. Each
+  logits of every chunk but the first, the layout built per forward) in place of log_softmax + gather. Each
   gives seconds per step and its cost over the side it changes (median over rounds of the paired difference,
   in wall and in CPU seconds).
 - `packing_s`: what validating and packing the batch and setting advantages cost per step, timed alone.
@@ -46,7 +48,7 @@ What was found (numbers in docs/benchmarks.md): the one overhead that mattered w
 backward recomputing the logits (one more [rows, vocab] matmul per chunk, ~6% of a step at the headline
 model); it now starts from the forward's logits of the first chunk, so a micro-batch that fits in one chunk
 recomputes nothing, and the trainer's head costs less than log_softmax over full logits. What remains is
-small and needed: packing and validating the batch (a few ms), the block-diagonal mask built per forward,
+small and needed: packing and validating the batch (a few ms), the layout (padded rows or mask) built per forward,
 the loss's statistics, accelerate's pass-through calls (under 1 ms). The entropy computed for the stats at
 entropy_coef 0 costs one more pass over each chunk's logits in the forward (within the noise). A KL reference
 costs what it must: one more forward per micro-batch.
@@ -127,7 +129,8 @@ def run(quick: bool = False) -> dict:
         "settings": {"threads": THREADS, "dtype": "float32", "device": str(_device()), "group_size": GROUP_SIZE,
                      "prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS, "lr": LR,
                      "grad_clip": GRAD_CLIP, "algorithm": "ppo_clip + grpo (recipes/tiny_cpu.yaml)",
-                     "attention": "sdpa, block-diagonal causal bool mask", "variants": VARIANTS,
+                     "attention": "sdpa; padded rows or a block-diagonal causal mask, as the trainer picks",
+                     "variants": VARIANTS,
                      "statistic": "median of the per-round ratios of interleaved rounds (one warm-up run each)"},
         "machine": machine(),
     }
@@ -199,9 +202,8 @@ class TrainerStep:
 
 @dataclasses.dataclass
 class _BareMicroBatch:
-    input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [1, T]
-    mask: torch.Tensor  # [1, 1, T, T] bool, block-diagonal causal
+    inputs: dict  # the decoder's keyword arguments: padded rows [N, L], or the packed row [1, T] and its mask
+    before: torch.Tensor  # [T - 1]: the flattened output row that predicts each target
     targets: torch.Tensor  # [T - 1]: token t + 1, predicted from row t
     weights: torch.Tensor  # [T - 1]: advantage / samples on completion tokens, 0 elsewhere
     packed: object  # the trainer's PackedBatch, for the chunked-head variant
@@ -211,13 +213,13 @@ class _BareMicroBatch:
 class BareLoop:
     """Forward, log-softmax gather, the simplest policy-gradient loss, backward per micro-batch; clip, AdamW.
 
-    `chunked_head`: the log-probs come from the trainer's `packed_logprobs` (chunked LM head, mask built per
+    `chunked_head`: the log-probs come from the trainer's `packed_logprobs` (chunked LM head, layout built per
     forward) instead, everything else alike: what the trainer's log-prob gathering costs on its own."""
 
     def __init__(self, path: Path, spec: ModelSpec, batch: list, chunked_head: bool = False):
         from transformers import AutoModelForCausalLM
 
-        from pipelinerl.rl.packing import packed_causal_mask
+        from pipelinerl.rl.packing import packed_model_inputs
         from pipelinerl.trainer.batch import build_step, sample_advantages, set_sample_advantages
 
         device = _device()
@@ -237,9 +239,9 @@ class BareLoop:
         for mb in step.micro_batches:
             p = mb.packed
             weights = torch.where(p.fields["loss_mask"], p.fields["advantages"], 0.0) / step.num_samples
-            self.micro_batches.append(_BareMicroBatch(
-                p.input_ids, p.position_ids, packed_causal_mask(p.seq_ids), p.input_ids[0, 1:], weights[1:], p,
-                weights))
+            inputs, index = packed_model_inputs(p, "sdpa", "auto", self.model.config)
+            before = torch.arange(p.input_ids.shape[1] - 1) if index is None else index[1:] - 1
+            self.micro_batches.append(_BareMicroBatch(inputs, before, p.input_ids[0, 1:], weights[1:], p, weights))
         self.tokens = int(sum(int(mb.packed.fields["loss_mask"].sum()) for mb in step.micro_batches))
 
     def __call__(self) -> None:
@@ -258,9 +260,8 @@ class BareLoop:
         return -(mb.weights * self._head_logprobs(hidden, mb.targets)).sum()
 
     def _decoder_forward(self, mb: _BareMicroBatch) -> torch.Tensor:
-        out = self.model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.mask,
-                               use_cache=False)
-        return out.last_hidden_state[0, :-1]
+        hidden = self.model.model(**mb.inputs).last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1])[mb.before]
 
     def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model.lm_head(hidden).float()
@@ -369,7 +370,7 @@ def profile_trainer(step: TrainerStep) -> dict[str, float]:
     stats, total = _profile(step)
     head_fwd = _cumulative(stats, "pipelinerl/rl/packing.py", "forward")  # ChunkedHeadLogprobs
     head_bwd = _cumulative(stats, "pipelinerl/rl/packing.py", "backward")
-    mask = _cumulative(stats, "pipelinerl/rl/packing.py", "packed_forward_kwargs")
+    mask = _cumulative(stats, "pipelinerl/rl/packing.py", "packed_model_inputs")
     logprobs = _cumulative(stats, "pipelinerl/rl/packing.py", "packed_logprobs_and_entropy")
     parts = {
         "packing_and_advantages": _cumulative(stats, "pipelinerl/trainer/batch.py", "build_step")

@@ -123,6 +123,8 @@ MODES = [
     ("sdpa", "position_ids"),
     ("eager", "position_ids"),
     ("sdpa", "auto"),
+    ("sdpa", "padded"),
+    ("eager", "padded"),
 ]
 
 
@@ -184,3 +186,26 @@ def test_no_attention_across_sequences(models, impl, attention):
 def test_packed_logprobs_rejects_unknown_mode(models):
     with pytest.raises(ValueError):
         packed_logprobs(models["sdpa"], build_packed_batch(SEQUENCES), attention="bogus")
+
+
+def test_auto_attention_takes_padded_rows_only_where_they_cost_less():
+    """Sequences of about one length: right-padded rows (attention N * L^2, little padding) beat one row under
+    a dense mask (T^2). One long sequence among many short ones: the padding would dwarf the tokens."""
+    from pipelinerl.rl.packing import padded_is_cheaper, padded_rows, resolve_attention
+
+    config = transformers.Qwen2Config(hidden_size=512, intermediate_size=1408, num_attention_heads=4,
+                                      num_key_value_heads=4)
+    even = build_packed_batch([[1] * (150 + i % 10) for i in range(25)])  # the counting recipe's shape
+    assert padded_is_cheaper(even, config)
+    assert resolve_attention(even, "sdpa", "auto", config) == "padded"
+    assert resolve_attention(even, "flash_attention_2", "auto", config) == "position_ids"
+    assert resolve_attention(even, "sdpa", "mask", config) == "mask"  # an explicit choice is kept
+    skewed = build_packed_batch([[1] * 2000] + [[1] * 20] * 50)
+    assert not padded_is_cheaper(skewed, config)
+    assert resolve_attention(skewed, "sdpa", "auto", config) == "mask"
+    assert padded_is_cheaper(build_packed_batch([[1] * 3000]), config)  # one sequence: no padding at all
+
+    rows, index = padded_rows(build_packed_batch(SEQUENCES))
+    assert rows.shape == (4, 7)
+    assert rows[1].tolist() == [11, 2, 33, 0, 0, 0, 0]  # right-padded
+    assert rows.view(-1)[index].tolist() == [t for s in SEQUENCES for t in s]

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForTokenClassification
 
 from pipelinerl.config import TrainerConfig
-from pipelinerl.rl.packing import PackedBatch, build_packed_batch, packed_forward_kwargs
+from pipelinerl.rl.packing import PackedBatch, build_packed_batch, packed_model_inputs
 from pipelinerl.rl.values import gae_advantages, value_loss
 from pipelinerl.trainer import update
 from pipelinerl.trainer.batch import MicroBatch, StepBatch
@@ -56,9 +56,8 @@ class Critic:
         optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.weight_decay), lr=self.critic_cfg.lr,
                                       betas=betas)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
-        self._impl = getattr(accelerator.unwrap_model(self.model).config, "_attn_implementation", None)
-        # a DDP wrapper hides the config: then transformers detects packing from the restarting position ids
-        self._attention = "auto" if hasattr(self.model, "config") else "position_ids"
+        self._config = accelerator.unwrap_model(self.model).config
+        self._impl = getattr(self._config, "_attn_implementation", None)
 
     # --- values and advantages --------------------------------------------------------------------------------
 
@@ -67,11 +66,12 @@ class Critic:
         the value of the state before token t is the head's output after token t - 1 of t's sequence (0 at a
         sequence's first token, which no state precedes)."""
         dtype = next(self.model.parameters()).dtype
-        kwargs = packed_forward_kwargs(p, self._impl, self._attention, dtype)
+        kwargs, index = packed_model_inputs(p, self._impl, "auto", self._config, dtype)
         with self.accelerator.autocast():
-            per_token = self.model(input_ids=p.input_ids, **kwargs).logits[0, :, 0].float()
+            per_token = self.model(**kwargs).logits[..., 0].reshape(-1).float()
         positions = p.label_mask.nonzero().squeeze(1)
-        return per_token.new_zeros(p.input_ids.shape[1]).index_put((positions,), per_token[positions - 1])
+        before = positions - 1 if index is None else index[positions] - 1  # the output after token t - 1
+        return per_token.new_zeros(p.input_ids.shape[1]).index_put((positions,), per_token[before])
 
     @torch.no_grad()
     def add_values(self, micro_batches: list[MicroBatch]) -> None:

@@ -154,9 +154,9 @@ class Trainer:
         self._configure_deepspeed()
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.accelerator.register_for_checkpointing(self.scheduler)
-        # Packed rows need a block-diagonal mask, which packed_logprobs builds from the model's config; a DDP
-        # wrapper hides the config, and then transformers detects packing from the restarting position ids.
-        self._attention = "auto" if hasattr(self.model, "config") else "position_ids"
+        # How packed rows go through the model (rl/packing.py): flash-attention's varlen kernels where loaded,
+        # else right-padded rows or one row under a block-diagonal mask, whichever costs less per micro-batch.
+        self._attention = "auto"
 
         self.ref_model = self._load_reference() if self.cfg.kl_coef > 0 else None
         c = self.cfg
