@@ -260,8 +260,9 @@ class TrainerConfig:
     temperature: float = 1.0  # the sampling temperature: trainer log-probs use logits / temperature, as the engine
     mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU | no | bf16
     # auto | sdpa | eager | flash_attention_2 (GPU; setup.cfg's `flash` extra, which `make install` adds on GPU
-    # machines). sdpa and eager build a dense micro_batch_tokens^2 mask for packed rows (bool + sdpa's bf16 copy:
-    # 3 B per pair, 0.75 GiB at 16k tokens); flash-attention builds none (varlen kernel on the rows' cu_seqlens).
+    # machines). sdpa and eager run a micro-batch as right-padded rows where that is cheaper, else as one packed row
+    # under a dense micro_batch_tokens^2 mask (bool + sdpa's bf16 copy: 3 B per pair, 0.75 GiB at 16k tokens);
+    # flash-attention builds no mask (varlen kernel on the rows' cu_seqlens).
     # auto: flash_attention_2 on GPUs where flash-attn imports (else sdpa, with a warning), sdpa on CPU.
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
