@@ -250,7 +250,7 @@ def padded_is_cheaper(batch: PackedBatch, config) -> bool:
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
     linear = h * (2 * h + 2 * kv_dim + 3 * getattr(config, "intermediate_size", 4 * h))
-    padded = n * width * (linear + 2 * h * width / 2)
+    padded = n * width * (linear + h * width)  # 2h per key, width / 2 keys on average
     dense = tokens * (linear + 2 * h * tokens)
     return padded < dense
 
