@@ -24,7 +24,7 @@ def _samples(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # about 5 minutes on 2 cores (a 300-step warm-up, then 80 RL steps); room for a busy CI
+@pytest.mark.timeout(1200)  # about 4 minutes on 2 cores (a 150-step warm-up, then 80 RL steps); room for a busy CI
 def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path):
     data = tmp_path / "data"
     write_synthetic_orz(data)
@@ -34,7 +34,10 @@ def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path):
            f"task.eval_data=[{data}/eval/add.json,{data}/eval/sub.json,{data}/eval/choice.json]",
            # the recipe's 150 steps shortened to 80 (the cosine schedule with them): the reward has risen by then
            # (measured 0.33 -> 0.45 over the first and last 15 steps; 0.35 -> 0.50 at 150) in 100 s less
-           "trainer.max_steps=80", "trainer.eval_every=40"]
+           "trainer.max_steps=80", "trainer.eval_every=40",
+           # half the recipe's warm-up, which was most of the test's time: enough for the format (99% of the run's
+           # outputs end at </answer>), fewer answers are right, and RL has more to raise (measured 0.18 -> 0.40)
+           "model.warmup_steps=150"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -56,16 +59,16 @@ def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path):
     # reward rises (ORZ's: 1 for a correct \boxed{} in the <answer> block of an output that stopped)
     first = sum(row["reward_mean"] for row in steps[:15]) / 15
     last = sum(row["reward_mean"] for row in steps[-15:]) / 15
-    assert last > first + 0.05, f"reward {first:.3f} -> {last:.3f}"  # measured 0.33 -> 0.45
+    assert last > first + 0.05, f"reward {first:.3f} -> {last:.3f}"  # measured 0.18 -> 0.40
 
     # per-benchmark evaluation, before and after, with the mean over benchmarks
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps[-1]["step"]
     for bench in ("add", "sub", "choice"):
         assert any(key.startswith(f"eval_{bench}_") for key in evals[-1]), sorted(evals[-1])
     # Learning is asserted on the training reward above. The held-out mean moved 0.220 -> 0.322 in one run and
-    # 0.220 -> 0.212 in another at 150 steps (0.220 -> 0.223 at 80): which samples an asynchronous run trains on
-    # depends on timing, and 80-150 steps of a tiny model do not carry to held-out benchmarks reliably. What must hold
-    # is that training does not wreck it.
+    # 0.220 -> 0.212 in another at 150 steps (0.220 -> 0.223 at 80; 0.085 -> 0.113 at 80 after the 150-step
+    # warm-up): which samples an asynchronous run trains on depends on timing, and 80-150 steps of a tiny model do
+    # not carry to held-out benchmarks reliably. What must hold is that training does not wreck it.
     assert evals[-1]["eval_accuracy"] >= evals[0]["eval_accuracy"] - 0.05, [e["eval_accuracy"] for e in evals]
     eval_files = sorted((run_dir / "eval").glob("step_*.md"))
     assert eval_files and "add" in eval_files[-1].read_text()
