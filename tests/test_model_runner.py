@@ -97,7 +97,9 @@ def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel, attention
     assert (layer.qkv_w is qkv_live) != transposed
     for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
         assert w.is_contiguous() != transposed and w.t().is_contiguous() == transposed
-    assert runner._head_w is model.lm_head.weight  # tied to the embedding: never copied
+    # the head tied to the embedding: multiplied by a copy of its own too, the lookups read the live weight
+    assert model.lm_head.weight is model.model.embed_tokens.weight and runner._embed_w is model.lm_head.weight
+    assert (runner._head_w is model.lm_head.weight) != transposed
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]  # different lengths: padding and the decode mask
     logits = runner.prefill_batch([0, 1, 2], prompts)
     sequences = [list(p) for p in prompts]
@@ -120,7 +122,7 @@ def test_transposed_copies_of_new_weights_are_built_before_the_switch_into_retir
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     runner = SlotRunner(model, num_slots=2, max_len=16,
                         choose_kernels=partial(LinearKernels.fixed, transposed=True))
-    assert len(runner.relayout_slots) == 2 * 4  # q/k/v, o, gate/up, down per layer; the tied head is not copied
+    assert len(runner.relayout_slots) == 2 * 4 + 1  # q/k/v, o, gate/up, down per layer, and the tied head
     prompt = [5, 6, 7, 8]
 
     def logits_equal_reference() -> bool:
@@ -135,13 +137,15 @@ def test_transposed_copies_of_new_weights_are_built_before_the_switch_into_retir
             for name, p in reference.named_parameters():
                 if "proj" in name:
                     p.copy_(dict(model.named_parameters())[name] * scale)
-            incoming = {slot: live.detach() * scale for slot, (_, _, live) in enumerate(runner.relayout_slots)}
+            # the projections' slots (the head's copy follows the embedding it is tied to: test_engine's updates)
+            incoming = {slot: live.detach() * scale for slot, (_, _, live) in enumerate(runner.relayout_slots)
+                        if live is not runner._embed_w}
         copies = runner.build_copies(incoming)
         assert not logits_equal_reference()  # built, not yet in use: still the old weights
         if retired:  # the second update writes into the first update's retired copies: no allocation
             assert {slot: c.data_ptr() for slot, c in copies.items()} == retired
         in_use = {slot: getattr(holder, attr).data_ptr()
-                  for slot, (holder, attr, _) in enumerate(runner.relayout_slots)}
+                  for slot, (holder, attr, _) in enumerate(runner.relayout_slots) if slot in incoming}
         runner.use_copies(copies)
         retired = in_use
         assert logits_equal_reference() and not runner.layers[0].qkv_w.is_contiguous()
