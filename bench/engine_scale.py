@@ -26,8 +26,13 @@ T(N) is measured in ROUNDS interleaved rounds (each round one run of every side,
 speed hits them alike). At 494M parameters a batch of 32 prompts is ~800 prompt tokens, whose
 prefill takes longer than the decoding of NEW_TOKENS: without the subtraction the ratio would mostly compare
 prefills. `e2e_tokens_per_s` (B x N / T(N)) is reported too. Ratios are the median over rounds of each round's
-own ratio: `vs_hf` = engine / hf, `vs_vllm` = engine_http / vllm (decode). Targets (issue 21): vs_hf >= 2 and
-vs_vllm >= 1 in every cell; `ratio` (the headline) is the smallest vs_hf, `passed` needs both targets everywhere.
+own ratio: `vs_hf` = engine / hf, `vs_vllm` = engine_http / vllm (decode). Why the ratios are what they are: each
+row carries the share of the engine's decode step spent in the linear layers' matmul kernels (`decode_profile`;
+HF's `generate` runs the same kernels, so where that share is high only faster kernels or fewer bytes can widen the
+gap) and, at batch 1, the memory roofline: one thread's measured read bandwidth over the float32 weights' bytes,
+the most tokens/s any engine reading every weight once per token could decode (`add_roofline`). Targets (issue
+21): vs_hf >= 2 and vs_vllm >= 1 in every cell; `ratio` (the headline) is the smallest vs_hf, `passed` needs both
+targets everywhere.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import re
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -71,6 +77,7 @@ def run(quick: bool = False) -> dict:
     """Every size in SIZES (only 20m, in process, with `quick`); returns the JSON-able result."""
     torch.set_num_threads(THREADS)
     vllm_reason = "not run with --quick" if quick else _vllm_missing()
+    bandwidth = read_bandwidth()
     sizes = ["20m"] if quick else list(SIZES)
     rows: list[dict] = []
     started = time.perf_counter()
@@ -80,6 +87,9 @@ def run(quick: bool = False) -> dict:
             new_tokens = QUICK_NEW_TOKENS if quick else NEW_TOKENS[size]
             rows += measure_size(path, size, new_tokens, QUICK_ROUNDS if quick else ROUNDS, servers=not quick,
                                  vllm=vllm_reason is None, log_dir=Path(tmp))
+    for r in rows:
+        if r["batch"] == 1:
+            add_roofline(r, bandwidth)
     vs_hf = [r["vs_hf"] for r in rows]
     vs_vllm = [r["vs_vllm"] for r in rows if "vs_vllm" in r]
     ratio = min(vs_hf)
@@ -101,6 +111,7 @@ def run(quick: bool = False) -> dict:
                      "dtype": "float32", "sampling": "greedy, EOS ignored", "vllm": _vllm_version(),
                      "statistic": "decode tokens/s = B x (N - 1) / (T(N) - median T(1)); ratios: median over "
                                   "interleaved rounds of each round's ratio"},
+        "read_gb_per_s": round(bandwidth / 1e9, 2),
         "seconds": round(time.perf_counter() - started, 1),
         "machine": machine(),
     }
@@ -181,7 +192,42 @@ def measure_size(path: Path, size: str, new_tokens: int, rounds: int, servers: b
             _report(rows[batch])
     finally:
         engine.shutdown()
+    del engine
+    for batch, profile in decode_profile(hf, BATCHES).items():
+        rows[batch]["engine_decode_profile"] = profile
     return [rows[batch] for batch in BATCHES]
+
+
+LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise")
+
+
+def decode_profile(model: torch.nn.Module, batches: Sequence[int], steps: int = 10,
+                   position: int = 24) -> dict[int, dict]:
+    """Where the engine's decode step goes, per batch size: the step's wall time, the share of its operators'
+    time spent in the linear layers' matmul kernels (torch.profiler, self CPU time of LINEAR_OPS) and the
+    operators per step. A runner of its own on `model` (the engine's is stopped by then), `steps` profiled steps
+    after 3 unprofiled ones, every sequence at `position`."""
+    from pipelinerl.engines.embedded.model_runner import SlotRunner
+
+    runner = SlotRunner(model, max(batches), MAX_MODEL_LEN)
+    out = {}
+    for batch in batches:
+        ids, positions = torch.full((batch,), 5), torch.full((batch,), position)
+        runner.prefill_batch(list(range(batch)), [[5] * position] * batch)
+        for _ in range(3):
+            runner.decode(ids, positions, (position, position))
+        t0 = time.perf_counter()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                runner.decode(ids, positions, (position, position))
+        seconds = time.perf_counter() - t0
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events)
+        linear = sum(e.self_cpu_time_total for e in events if e.key in LINEAR_OPS)
+        out[batch] = {"step_ms_profiled": round(seconds / steps * 1e3, 2),
+                      "linear_share": round(linear / total, 3),
+                      "ops_per_step": round(sum(e.count for e in events) / steps)}
+    return out
 
 
 def _merge(row: dict, measured: dict, phase: str) -> None:
@@ -240,16 +286,48 @@ def _timed(side, new_tokens: int) -> float:
     return seconds
 
 
+def read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
+    """Bytes/s one thread reads memory at: the fastest of `repeats` sums over a buffer far larger than the caches
+    (torch's vectorised reduction: memory-bound). Decoding one sequence reads every weight once per token, so
+    bandwidth / weight bytes bounds batch-1 tokens/s on any side, whatever its kernels."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def add_roofline(row: dict, bandwidth: float) -> None:
+    """A batch-1 row's memory roofline: tokens/s if every weight (float32) were read once per token at the measured
+    bandwidth (the KV cache and activations left out, so a bound), and each side's fraction of it. `vs_hf_ceiling`
+    is the most any engine could be over HF here: roofline / HF's tokens/s."""
+    weight_bytes = row["params"] * 4
+    roofline = bandwidth / weight_bytes
+    row["weight_gb"] = round(weight_bytes / 1e9, 3)
+    row["roofline_tokens_per_s"] = round(roofline, 2)
+    row["roofline_fraction"] = {side: round(tps / roofline, 3) for side, tps in row["tokens_per_s"].items()}
+    row["vs_hf_ceiling"] = round(roofline / row["tokens_per_s"]["hf"], 2)
+
+
 def table(rows: list[dict]) -> str:
     """The Markdown table of decode tokens/s and ratios, one line per size and batch."""
     sides = ("engine", "hf", "engine_http", "vllm")
-    lines = ["| model | batch | new tokens | " + " | ".join(sides) + " | engine / HF | engine_http / vLLM |",
-             "| --- | ---: | ---: | " + " | ".join("---:" for _ in sides) + " | ---: | ---: |"]
+    lines = ["| model | batch | new tokens | " + " | ".join(sides)
+             + " | engine / HF | engine_http / vLLM | engine's step in matmuls | memory roofline (batch 1) "
+             "| most any engine could do over HF |",
+             "| --- | ---: | ---: | " + " | ".join("---:" for _ in sides) + " | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         tps = [f"{r['tokens_per_s'][s]:.1f}" if s in r["tokens_per_s"] else "-" for s in sides]
         vllm = f"{r['vs_vllm']:.2f}x" if "vs_vllm" in r else "-"
+        roof = f"{r['roofline_tokens_per_s']:.1f}" if "roofline_tokens_per_s" in r else "-"
+        ceiling = f"{r['vs_hf_ceiling']:.2f}x" if "vs_hf_ceiling" in r else "-"
+        profile = r.get("engine_decode_profile")
+        matmuls = f"{profile['linear_share']:.0%}" if profile else "-"
         lines.append(f"| {r['size']} ({r['params'] / 1e6:.1f}M) | {r['batch']} | {r['new_tokens']} | "
-                     + " | ".join(tps) + f" | {r['vs_hf']:.2f}x | {vllm} |")
+                     + " | ".join(tps) + f" | {r['vs_hf']:.2f}x | {vllm} | {matmuls} | {roof} | {ceiling} |")
     return "\n".join(lines)
 
 
