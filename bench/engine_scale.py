@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import statistics
 import tempfile
 import time
@@ -49,7 +48,8 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, median, model_settings, write_result
-from bench.engine_vs_vllm import _batch, _vllm_missing, _vllm_version
+from bench.engine_decode import _load
+from bench.engine_vs_vllm import Server, _batch, _vllm_missing, _vllm_version
 
 NAME = "engine_scale"
 TARGET_VS_HF, TARGET_VS_VLLM = 2.0, 1.0
@@ -161,12 +161,13 @@ def measure_size(path: Path, size: str, new_tokens: int, rounds: int, servers: b
         started = {}
         try:
             for kind in ("embedded", "vllm") if vllm else ("embedded",):
-                started[kind] = Server(kind, path, log_dir)
+                started[kind] = Server(kind, path, log_dir, max_running_seqs=max(BATCHES),
+                                       max_model_len=MAX_MODEL_LEN, threads=THREADS, wait_s=900)
                 started[kind].wait()
             for batch in BATCHES:
-                sides = {"engine_http": HttpSide(started["embedded"].url, prompts[batch])}
+                sides = {"engine_http": HttpSide(started["embedded"].client.url, prompts[batch])}
                 if "vllm" in started:
-                    sides["vllm"] = HttpSide(started["vllm"].url, prompts[batch])
+                    sides["vllm"] = HttpSide(started["vllm"].client.url, prompts[batch])
                 measured = measure(sides, batch, new_tokens, rounds)
                 _merge(rows[batch], measured, "servers")
                 if "vllm" in sides:
@@ -331,12 +332,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _load(path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-
-
 def _in_process_engine(path: Path):
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
 
@@ -397,44 +392,6 @@ class HttpSide:
 
     def close(self) -> None:
         pass
-
-
-class Server:
-    """One `pipelinerl serve --engine KIND` process on the model at `path`, THREADS threads."""
-
-    def __init__(self, kind: str, path: Path, log_dir: Path):
-        from pipelinerl.engines.client import EngineClient
-        from pipelinerl.procs import engine_command, free_port, start_process
-
-        port = free_port()
-        self.kind, self.log = kind, log_dir / f"{kind}-{path.name}-{port}.log"
-        extra = ["--max-running-seqs", str(max(BATCHES)), "--max-model-len", str(MAX_MODEL_LEN),
-                 "--threads", str(THREADS)]
-        root = Path(__file__).resolve().parents[1]
-        env = {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-        self.proc = start_process(engine_command(str(path), port, engine=kind, extra=extra), self.log,
-                                  threads=THREADS, env=env)
-        self.client = EngineClient(f"http://127.0.0.1:{port}")
-        self.url = self.client.url
-
-    def wait(self) -> None:
-        from pipelinerl.procs import tail
-
-        try:
-            self.client.wait_healthy(timeout_s=900, process=self.proc)
-        except Exception as e:
-            raise RuntimeError(f"{self.kind}: {e}\n--- log ---\n{tail(self.log, 30)}") from e
-
-    def logged_dtype(self) -> str | None:
-        """The dtype vLLM says it runs the model in (its start-up log)."""
-        match = re.search(r"dtype=(torch\.\w+)", self.log.read_text(errors="replace"))
-        return match.group(1) if match else None
-
-    def stop(self) -> None:
-        from pipelinerl.procs import stop_process
-
-        self.client.close()
-        stop_process(self.proc, timeout_s=30)
 
 
 if __name__ == "__main__":

@@ -88,28 +88,35 @@ def run(quick: bool = False) -> dict:
 
 
 class Server:
-    """One `pipelinerl serve` process of engine `kind` on the model at `path`."""
+    """One `pipelinerl serve` process of engine `kind` on the model at `path` (this benchmark's batch and lengths
+    unless given), `threads` threads."""
 
-    def __init__(self, kind: str, path: Path, log_dir: Path):
+    def __init__(self, kind: str, path: Path, log_dir: Path, max_running_seqs: int = BATCH,
+                 max_model_len: int = PROMPT_LEN + UPDATE_TOKENS + 1, threads: int = THREADS, wait_s: float = 600):
         from pipelinerl.engines.client import EngineClient
         from pipelinerl.procs import engine_command, free_port, start_process
 
         port = free_port()
-        self.kind, self.log = kind, log_dir / f"{kind}-{port}.log"
-        extra = ["--max-running-seqs", str(BATCH), "--max-model-len", str(PROMPT_LEN + UPDATE_TOKENS + 1),
-                 "--threads", str(THREADS)]
+        self.kind, self.log, self.wait_s = kind, log_dir / f"{kind}-{port}.log", wait_s
+        extra = ["--max-running-seqs", str(max_running_seqs), "--max-model-len", str(max_model_len),
+                 "--threads", str(threads)]
         env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         self.proc = start_process(engine_command(str(path), port, engine=kind, extra=extra), self.log,
-                                  threads=THREADS, env=env)
+                                  threads=threads, env=env)
         self.client = EngineClient(f"http://127.0.0.1:{port}")
 
     def wait(self) -> None:
         from pipelinerl.procs import tail
 
         try:
-            self.client.wait_healthy(timeout_s=600, process=self.proc)
+            self.client.wait_healthy(timeout_s=self.wait_s, process=self.proc)
         except Exception as e:
             raise RuntimeError(f"{self.kind}: {e}\n--- log ---\n{tail(self.log, 30)}") from e
+
+    def logged_dtype(self) -> str | None:
+        """The dtype vLLM says it runs the model in (its start-up log)."""
+        match = re.search(r"dtype=(torch\.\w+)", self.log.read_text(errors="replace"))
+        return match.group(1) if match else None
 
     def vllm_url(self) -> str:
         """vLLM's own server behind the front, as the front's start-up line names it."""
