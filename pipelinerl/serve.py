@@ -37,10 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-cpus", default=None, metavar="LIST",
                    help="embedded engine on CPU: run decoding on these CPUs (e.g. 0 or 0-3) and receive weight "
                         "updates on the others, so that updates do not take the decoding's cores")
-    p.add_argument("--transposed-weights", default="auto", choices=["auto", "all", "none"],
-                   help="embedded engine on CPU: keep copies of the weights stored transposed where that makes "
-                        "decoding faster (auto: where timed faster on this machine at start-up; none: no second "
-                        "copy of the weights in memory). Rebuilt after each update, off the decoding thread")
+    p.add_argument("--transposed-weights", default="auto", choices=["auto", "all", "none", "packed"],
+                   help="embedded engine on CPU: keep copies of the weights stored transposed, or packed in "
+                        "oneDNN's layout, where that makes decoding faster (auto: where timed faster on this "
+                        "machine at start-up; all: transposed, every weight; packed: packed, every weight whose "
+                        "shape allows; none: no second copy of the weights in memory). Rebuilt after each "
+                        "update, off the decoding thread")
     p.add_argument("--update-receiver", default="auto", choices=["auto", "process", "thread"],
                    help="embedded engine: receive weight updates in a process of its own, the weights in shared "
                         "memory (process: no GIL shared with decoding; CPU only), or on a thread of the server "

@@ -22,6 +22,7 @@ from pipelinerl.contracts.inference import (
 )
 from pipelinerl.engines.client import EngineError, init_group_on_engines, param_specs, push_weights
 from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings, tensor_checksums
+from pipelinerl.engines.embedded.packed import PackedLayout
 from pipelinerl.engines.server import ContractError
 from pipelinerl.procs import free_port
 from pipelinerl.weight_sync import broadcast_tensors, init_weight_update_group
@@ -413,16 +414,23 @@ def test_burst_of_requests_is_admitted_as_one_prefill(tiny_model_dir):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("transposed, receiver", [("all", "process"), ("none", "process"), ("all", "thread")])
+@pytest.mark.parametrize("transposed, receiver", [("all", "process"), ("none", "process"), ("all", "thread"),
+                                                   ("packed", "process"), ("packed", "thread")])
 def test_transposed_weight_copies_follow_every_update(tiny_model_dir, tmp_path, transposed, receiver):
     """With `--transposed-weights all` the engine multiplies by transposed copies of every weight (what it does
-    on CPU wherever that was timed faster). With sequences decoding, an update's copies are built from the
-    received weights before the switch (by the receiving process, or thread), so they are in use when the update
-    call returns; with none, the switch does not wait for them: they are built after it and taken into use once
-    ready. Greedy output follows the pushed weights either way; with `none` nothing is copied."""
-    copying = transposed == "all"
-    extra = ["--transposed-weights", transposed, "--update-receiver", receiver]
+    on CPU wherever that was timed faster); with `packed`, by copies packed in oneDNN's layout (packed.py), which
+    the receiving process writes in shared memory and the engine multiplies through views of. With sequences
+    decoding, an update's copies are built from the received weights before the switch (by the receiving
+    process, or thread), so they are in use when the update call returns; with none, the switch does not wait
+    for them: they are built after it and taken into use once ready. Greedy output follows the pushed weights
+    either way; with `none` nothing is copied."""
+    if transposed == "packed" and PackedLayout.of(128, 64) is None:
+        pytest.skip("oneDNN on this CPU (or torch) wants another layout than packed.py's panels: no packed copies")
+    copying = transposed != "none"
+    extra = ["--transposed-weights", transposed, "--update-receiver", receiver, "--log-level", "info"]
     with running_engine(tiny_model_dir, tmp_path, extra=extra) as client:
+        if transposed == "packed":  # the engine says how it multiplies each weight shape
+            assert "'64x256': 'packed copy; packed onednn for 1+ rows'" in client.log_path.read_text()
         trainer = Trainer(client, tiny_model_dir)
 
         def relayouts():
@@ -468,7 +476,7 @@ def test_transposed_weight_copies_follow_every_update(tiny_model_dir, tmp_path, 
             out = client.generate(PROMPT, temperature=0, max_new_tokens=24, ignore_eos=True).completions[0]
             assert out.token_ids == trainer.greedy_reference(state, PROMPT, 24)
             m = client.metrics()
-            assert (m["pipelinerl_weight_relayout_seconds_total"] > 0) == (transposed == "all")
+            assert (m["pipelinerl_weight_relayout_seconds_total"] > 0) == copying
         finally:
             trainer.group.destroy()
 
@@ -617,7 +625,12 @@ def test_too_little_shared_memory_is_named_before_it_is_used(tmp_path):
     engine says so (how much it needs, how much there is, what to do) instead of dying of SIGBUS mid-update."""
     from pipelinerl.engines.embedded.receiver import shared_memory_shortfall
 
-    assert shared_memory_shortfall(1 << 20, str(tmp_path)) is None
-    message = shared_memory_shortfall(1 << 60, str(tmp_path))
+    assert shared_memory_shortfall(1 << 20, directory=str(tmp_path)) is None
+    message = shared_memory_shortfall(1 << 60, directory=str(tmp_path))
     assert message is not None and str(tmp_path) in message and "--shm-size" in message
-    assert shared_memory_shortfall(1 << 60, str(tmp_path / "absent")) is None
+    assert shared_memory_shortfall(1 << 60, directory=str(tmp_path / "absent")) is None
+    # the copies of the weights count: a weight with packed and transposed copies needs room for both
+    stats = os.statvfs(tmp_path)
+    free = stats.f_bavail * stats.f_frsize
+    assert shared_memory_shortfall(free // 6, 0, directory=str(tmp_path)) is None
+    assert shared_memory_shortfall(free // 6, free, directory=str(tmp_path)) is not None

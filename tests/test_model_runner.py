@@ -16,11 +16,16 @@ from pipelinerl.engines.embedded.model_runner import (
     SlotRunner,
     _onednn_usable,
 )
+from pipelinerl.engines.embedded.packed import PackedLayout, linear_packed, packed_copier
 from pipelinerl.engines.embedded.transpose import transposed_copy
 
 CPU = torch.device("cpu")
 HAS_ONEDNN = _onednn_usable(CPU, torch.float32)
 needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="no oneDNN in this torch build")
+# packed copies (packed.py) where this CPU's oneDNN reads float32 weights as the panels the engine writes
+HAS_PACKED = HAS_ONEDNN and PackedLayout.of(128, 64) is not None
+needs_packed = pytest.mark.skipif(not HAS_PACKED, reason="oneDNN on this CPU (or torch) wants weights in a layout "
+                                                           "other than packed.py's panels: no packed copies")
 
 
 def forced(kernels: LinearKernels, pattern) -> LinearKernels:
@@ -49,6 +54,31 @@ def test_linear_kernels_compute_linear_for_every_row_count(pattern, stored):
             torch.testing.assert_close(kernels(x, weight, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
+@needs_packed
+def test_a_packed_copy_multiplies_as_its_weight_and_sees_every_write_into_its_panels():
+    """oneDNN multiplies by a view of the panels the engine fills (and an update rewrites) in ordinary memory:
+    for every row count, the product is F.linear's with the weight the panels were last filled from."""
+    g = torch.Generator().manual_seed(0)
+    for out_f, in_f, has_bias in [(128, 64, True), (64, 256, False), (192, 48, True)]:
+        layout = PackedLayout.of(out_f, in_f)
+        assert layout is not None
+        w = torch.randn(out_f, in_f, generator=g)
+        b = torch.randn(out_f, generator=g) if has_bias else None
+        panels, fill = packed_copier(w)
+        fill()
+        view = layout.view(panels)
+        assert view.is_mkldnn and view.panels is panels
+        for rows in (1, 3, 32, 100):
+            x = torch.randn(rows, in_f, generator=g)
+            torch.testing.assert_close(linear_packed(x, view, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        new_w = torch.randn(out_f, in_f, generator=g)  # an update: the same panels refilled, the same view
+        _, refill = packed_copier(new_w, out=panels)
+        refill()
+        x = torch.randn(5, in_f, generator=g)
+        torch.testing.assert_close(linear_packed(x, view, b), F.linear(x, new_w, b), atol=1e-4, rtol=1e-4)
+    assert PackedLayout.of(100, 64) is None and PackedLayout.of(128, 40) is None  # not whole panels: no copy
+
+
 def test_timed_kernels_decide_every_shape_and_row_bucket():
     shapes = [(48, 32, True), (96, 32, False), (32, 64, True), (96, 32, False)]
     for onednn in [False, True] if HAS_ONEDNN else [False]:
@@ -71,17 +101,19 @@ def test_linear_kernels_summary_names_the_storage_and_each_run_of_row_counts():
 
 
 @pytest.mark.parametrize("kernel,attention", [("blas", "cpu"), ("onednn", "cpu"), ("transposed-blas", "cpu"),
-                                              ("transposed-onednn", "cpu"), ("blas", "keys-as-is"),
-                                              ("blas", "sdpa")])
+                                              ("transposed-onednn", "cpu"), ("packed", "cpu"),
+                                              ("blas", "keys-as-is"), ("blas", "sdpa")])
 def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel, attention):
     """`attention`: "cpu", what a CPU runs (batched matmuls, keys stored transposed); "keys-as-is", the same
     with keys stored position by position; "sdpa", what other devices run (scaled_dot_product_attention)."""
     if "onednn" in kernel and not HAS_ONEDNN:
         pytest.skip("no oneDNN in this torch build")
+    if kernel == "packed" and not HAS_PACKED:
+        pytest.skip("no packed copies on this CPU")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    transposed = kernel.startswith("transposed")
-    choose = partial(LinearKernels.fixed, transposed=transposed, onednn=kernel.endswith("onednn"))
+    transposed, packed = kernel.startswith("transposed"), kernel == "packed"
+    choose = partial(LinearKernels.fixed, transposed=transposed, onednn=kernel.endswith("onednn"), packed=packed)
     runner = SlotRunner(model, num_slots=4, max_len=32, choose_kernels=choose)
     assert runner.manual_attention and not runner.keys[0].is_contiguous()  # the CPU's choices
     if attention != "cpu":
@@ -94,10 +126,14 @@ def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel, attention
     assert attn.k_proj.weight.data_ptr() == qkv_live[attn.q_proj.out_features].data_ptr()
     # ...and the runner multiplies by those, or by copies stored transposed
     layer = runner.layers[0]
-    assert (layer.qkv_w is qkv_live) != transposed
+    assert (layer.qkv_w is qkv_live) != (transposed or packed)
     for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
-        assert w.is_contiguous() != transposed and w.t().is_contiguous() == transposed
+        if packed:  # oneDNN's views of packed copies (every projection's shape is whole panels)
+            assert w.is_mkldnn
+        else:
+            assert w.is_contiguous() != transposed and w.t().is_contiguous() == transposed
     # the head tied to the embedding: multiplied by a copy of its own too, the lookups read the live weight
+    # (not packed: the tiny vocabulary, 100 rows, is not whole panels of 64)
     assert model.lm_head.weight is model.model.embed_tokens.weight and runner._embed_w is model.lm_head.weight
     assert (runner._head_w is model.lm_head.weight) != transposed
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]  # different lengths: padding and the decode mask
@@ -115,14 +151,18 @@ def test_slot_runner_logits_equal_transformers(tiny_model_dir, kernel, attention
         logits = runner.decode(tokens, positions)
 
 
-def test_transposed_copies_of_new_weights_are_built_before_the_switch_into_retired_memory(tiny_model_dir):
+@pytest.mark.parametrize("layout", ["transposed", "packed"])
+def test_copies_of_new_weights_are_built_before_the_switch_into_retired_memory(tiny_model_dir, layout):
     """What the engine does around an update: copies built from the received weights while the old copies are
     in use, taken into use at the switch; the next update's copies go into the memory the switch retired."""
+    if layout == "packed" and not HAS_PACKED:
+        pytest.skip("no packed copies on this CPU")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    runner = SlotRunner(model, num_slots=2, max_len=16,
-                        choose_kernels=partial(LinearKernels.fixed, transposed=True))
-    assert len(runner.relayout_slots) == 2 * 4 + 1  # q/k/v, o, gate/up, down per layer, and the tied head
+    runner = SlotRunner(model, num_slots=2, max_len=16, transposed="all" if layout == "transposed" else "packed")
+    # q/k/v, o, gate/up, down per layer, and the tied head (transposed; its 100 rows are not whole panels)
+    assert len(runner.relayout_slots) == 2 * 4 + (layout == "transposed")
+    assert set(runner.relayout_layouts) == {layout}
     prompt = [5, 6, 7, 8]
 
     def logits_equal_reference() -> bool:
@@ -144,11 +184,17 @@ def test_transposed_copies_of_new_weights_are_built_before_the_switch_into_retir
         assert not logits_equal_reference()  # built, not yet in use: still the old weights
         if retired:  # the second update writes into the first update's retired copies: no allocation
             assert {slot: c.data_ptr() for slot, c in copies.items()} == retired
-        in_use = {slot: getattr(holder, attr).data_ptr()
+        in_use = {slot: _memory(getattr(holder, attr)).data_ptr()
                   for slot, (holder, attr, _) in enumerate(runner.relayout_slots) if slot in incoming}
         runner.use_copies(copies)
         retired = in_use
-        assert logits_equal_reference() and not runner.layers[0].qkv_w.is_contiguous()
+        qkv = runner.layers[0].qkv_w
+        assert logits_equal_reference() and (qkv.is_mkldnn if layout == "packed" else not qkv.is_contiguous())
+
+
+def _memory(operand: torch.Tensor) -> torch.Tensor:
+    """What holds an operand's values: a packed copy's view reads its panels."""
+    return operand.panels if operand.is_mkldnn else operand
 
 
 @pytest.mark.parametrize("mkl", [True, False], ids=["mkl", "torch"])

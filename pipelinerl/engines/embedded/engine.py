@@ -58,7 +58,7 @@ class EngineSettings:
     max_batch_tokens: int = 16384
     max_model_len: int = 512
     initial_version: int = 0
-    transposed_weights: str = "auto"  # SlotRunner's `transposed`: "auto", "all" or "none"
+    transposed_weights: str = "auto"  # SlotRunner's `transposed`: "auto", "all", "none" or "packed"
     # Where updates are received (receiving.py): "process" (no GIL shared with decoding; CPU only), "thread" (a
     # thread of the engine's process), "auto" (a process on CPU, a thread on GPU)
     update_receiver: str = "auto"

@@ -18,12 +18,17 @@ overhead and not arithmetic dominates:
   all layers; the last layer's output projection and MLP run on the last prompt position only during
   prefill; RMSNorm is five ops on CPU, where F.rms_norm runs as about ten;
 - on CPUs, whether each weight shape is multiplied through a copy stored transposed (so that BLAS gets an
-  untransposed operand; see "weights stored transposed" below) and which kernel multiplies it for how many
-  rows (`F.linear`, i.e. BLAS, or oneDNN's `_linear_pointwise`) are timed once when the runner is built
-  (`LinearKernels`), since the winner depends on the CPU: oneDNN was 1.3-2x faster than BLAS from
-  32 x 256 x 1024 up on an AMD EPYC; on an Intel Xeon BLAS was faster below 32 x 1024 x 1024 (~20 us less
-  fixed cost per call) and the transposed copies 1.2-2x faster still at decode sizes. PIPELINERL_ONEDNN=0
-  leaves oneDNN out;
+  untransposed operand; see "weights stored transposed" below) or packed in oneDNN's blocked layout
+  (packed.py), and which kernel multiplies it for how many rows (`F.linear`, i.e. BLAS, or oneDNN's
+  `_linear_pointwise`; with a packed copy, oneDNN on the copy or either kernel on the weight as stored) are
+  timed once when the runner is built (`LinearKernels`), since the winner depends on the CPU: oneDNN was
+  1.3-2x faster than BLAS from 32 x 256 x 1024 up on an AMD EPYC, and 1.1-1.7x faster again with packed
+  weights from about 4 rows up at 0.1-0.5B-parameter shapes (one row reads faster from a weight as stored);
+  on an Intel Xeon BLAS was faster below 32 x 1024 x 1024 (~20 us less fixed cost per call) and the
+  transposed copies 1.2-2x faster still at decode sizes. oneDNN is slow at one row, so a packed weight may
+  keep a transposed copy as well, for single-sequence decoding (`SECOND_COPY_MIN_GAIN`,
+  `SECOND_COPIES_MAX_BYTES`). PIPELINERL_ONEDNN=0 leaves oneDNN out, PIPELINERL_PACKED_WEIGHTS=0 the packed
+  copies;
 - prompts admitted together are prefilled in one padded forward.
 
 `HFRunner` serves any other causal LM through the model's own forward and a DynamicCache per sequence: one
@@ -41,17 +46,36 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipelinerl.engines.embedded.transpose import transposed_copier, transposed_copy
+from pipelinerl.engines.embedded.packed import PackedLayout, linear_packed
+from pipelinerl.engines.embedded.transpose import relayout_copier, transposed_copy
 
 FAST_PATH_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # LinearKernels times both kernels for row counts 1, 2, 4, ... up to this; more rows use the last decision.
 TIMED_MAX_ROWS = 256
-# Products of at least this many multiply-adds are not timed and use oneDNN: the fixed cost that separates
-# the kernels is lost in the arithmetic there, and oneDNN was never measured much slower at those sizes.
-TIMED_MAX_MACS = 1 << 27
-# A weight shape gets transposed copies when that makes its linears at least this much faster (LinearKernels).
+# Products of at least this many multiply-adds are not timed and use oneDNN (on the packed copy, where the shape
+# has one). Products from TIMED_FEW_MACS up are timed with TIMED_FEW_REPEATS repeats, from TIMED_ONCE_MACS up
+# with one (each call takes milliseconds: all of it took ~10 s for a 0.5B-parameter Qwen2 here), and BLAS only
+# for up to TIMED_BLAS_MAX_ROWS rows: above that, oneDNN was never measured slower, on any shape (and oneDNN's
+# packed layout never slower than the others from 16 rows of 0.1-0.5B-parameter shapes up), yet where
+# the packed layout pays most is on large products at many rows, so those are timed.
+TIMED_MAX_MACS = 1 << 33
+TIMED_FEW_MACS = 1 << 25
+TIMED_ONCE_MACS = 1 << 30
+TIMED_FEW_REPEATS = 2
+TIMED_BLAS_MAX_ROWS = 8
+# Timing rotates through copies of each weight, this many bytes of them (at most TIMED_MAX_COPIES copies):
+# in a decode step every weight comes from memory, not from a cache it was just read into, and the layouts
+# differ most in how fast they stream from memory.
+TIMED_COLD_BYTES = 64 << 20
+TIMED_MAX_COPIES = 8
+# A weight shape gets transposed (or packed) copies when that makes its linears at least this much faster.
 TRANSPOSED_MIN_GAIN = 0.05
-TRANSPOSED_CHOICES = ("auto", "all", "none")
+# A packed shape also keeps transposed copies, for one row (what decoding a single sequence multiplies), when
+# those make one row at least this much faster (oneDNN is slow at one row: BLAS on a transposed copy was 1.5-2x
+# faster there at 20M-parameter shapes), as long as all such second copies fit in SECOND_COPIES_MAX_BYTES.
+SECOND_COPY_MIN_GAIN = 0.1
+SECOND_COPIES_MAX_BYTES = 1 << 30
+TRANSPOSED_CHOICES = ("auto", "all", "none", "packed")
 # Padded tokens per prefill forward: bounds the activations of a batched prefill and the padding it wastes.
 PREFILL_CHUNK_TOKENS = 4096
 # Largest table of per-position rotations for every fused q/k/v head kept precomputed (see `_step_rope`).
@@ -77,101 +101,202 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
 
 
 class LinearKernels:
-    """How each weight shape is multiplied: through a transposed copy or not, and by which kernel.
+    """How each weight shape is multiplied: through a copy (transposed, or packed) or not, and by which kernel.
 
     `self(x, w, b)` = F.linear(x, w, b) for x [rows, in], through the kernel chosen for w's shape and about
     that many rows: BLAS (`F.linear`) or oneDNN (`_onednn_linear`). `use_onednn[(out, in)][bucket]` says which,
     by row bucket (rows.bit_length(), the last bucket also taking every larger row count). `transposed`: the
     shapes whose weights are multiplied stored as w.T (`transposed_copy`): the runner keeps such copies of
-    them. `timed` measures all this on the machine; `fixed` sets it."""
+    them. `packed`: the shapes whose weights the runner keeps packed copies of (packed.py), which `self` gets as
+    their MKLDNN views; `use_live[(out, in)][bucket]` says, for such a shape, whether that many rows are
+    multiplied by the view's `.rows.weight` (the weight as stored, or its transposed copy for a shape in both
+    `packed` and `transposed`; by the kernel `use_onednn` names) instead of by the packed copy (oneDNN).
+    `timed` measures all this on the machine; `fixed` sets it."""
 
-    def __init__(self, use_onednn: dict[tuple[int, int], list[bool]], transposed: set[tuple[int, int]]):
+    def __init__(self, use_onednn: dict[tuple[int, int], list[bool]], transposed: set[tuple[int, int]],
+                 packed: set[tuple[int, int]] | None = None, use_live: dict[tuple[int, int], list[bool]] | None = None):
         self.use_onednn, self.transposed = use_onednn, transposed
+        self.packed = packed or set()
+        self.use_live = use_live or {}
         self.max_bucket = TIMED_MAX_ROWS.bit_length()
 
     @classmethod
     def fixed(cls, shapes: Sequence[tuple[int, int, bool]], transposed: bool = False,
-              onednn: bool = False) -> LinearKernels:
-        """Every shape given stored as is (or transposed), through BLAS (or oneDNN) for every row count."""
+              onednn: bool = False, packed: bool = False) -> LinearKernels:
+        """Every shape given stored as is (or transposed), through BLAS (or oneDNN) for every row count. With
+        `packed`, every float32 shape that a packed copy works for on this machine (`PackedLayout.of`) is
+        multiplied by one instead, through oneDNN, at every row count."""
         keys = {(out_f, in_f) for out_f, in_f, _ in shapes}
         buckets = TIMED_MAX_ROWS.bit_length() + 1
-        return cls({k: [False] + [onednn] * (buckets - 1) for k in keys}, set(keys) if transposed else set())
+        packed_keys = {k for k in keys if PackedLayout.of(*k) is not None} if packed else set()
+        return cls({k: [False] + [onednn] * (buckets - 1) for k in keys}, set(keys) if transposed else set(),
+                   packed_keys, {k: [False] * buckets for k in packed_keys})
 
     @classmethod
     def timed(cls, shapes: Sequence[tuple[int, int, bool]], dtype: torch.dtype, device: torch.device,
               onednn: bool = True, repeats: int = 5) -> LinearKernels:
-        """Times every combination of storage and kernel (oneDNN only with `onednn`) on random inputs of each
-        weight shape, for row counts 1, 2, 4, ... TIMED_MAX_ROWS (interleaved, best of `repeats` calls each).
-        A shape is multiplied transposed when that made its best kernel at least TRANSPOSED_MIN_GAIN faster,
-        geometric mean over the row counts timed; then each row count gets the faster kernel for that storage.
-        Products of TIMED_MAX_MACS and more are not timed and use oneDNN where it is on, except one row, which
-        is always timed: a large vocabulary's head is past the limit, and how it is stored matters most there."""
-        use_onednn, transposed = {}, set()
-        kernels = [F.linear, _onednn_linear] if onednn else [F.linear]
+        """Times every combination of storage and kernel (oneDNN, and packed copies, only with `onednn`) on
+        random inputs of each weight shape, for row counts 1, 2, 4, ... TIMED_MAX_ROWS (interleaved, best of
+        `repeats` calls each, fewer for large products, each call on the next of a few copies of the weight).
+        A shape is given the copy (transposed or packed) that made its best kernel fastest, geometric mean over
+        the row counts timed, if at least TRANSPOSED_MIN_GAIN faster than the weight as stored; then each row
+        count gets the fastest of what that storage allows. Products of TIMED_MAX_MACS and more are not timed
+        and use oneDNN where it is on (on the packed copy, for a packed shape), except one row, which is always
+        timed: a large vocabulary's head is past the limit, and how it is stored matters most there."""
+        use_onednn, use_live, transposed, packed = {}, {}, set(), set()
+        second: list[tuple[float, tuple[int, int], bool]] = []  # (seconds saved per element, shape, oneDNN?)
         for out_f, in_f, has_bias in sorted(set(shapes)):
-            w = torch.randn(out_f, in_f, dtype=dtype, device=device)
-            layouts = (w, transposed_copy(w))
+            layout = PackedLayout.of(out_f, in_f) if onednn and dtype == torch.float32 else None
+            operands = _timing_operands(out_f, in_f, dtype, device, layout)
             b = torch.randn(out_f, dtype=dtype, device=device) if has_bias else None
-            best: list[dict | None] = []  # per bucket from 1, {(layout, kernel): seconds}; None: not timed
+            best: list[dict | None] = []  # per bucket from 1, {(storage, kernel): seconds}; None: not timed
             for bucket in range(1, TIMED_MAX_ROWS.bit_length() + 1):
                 rows = 1 << (bucket - 1)
-                if rows > 1 and rows * out_f * in_f >= TIMED_MAX_MACS:  # one row always: decoding one sequence
+                macs = rows * out_f * in_f
+                if rows > 1 and macs >= TIMED_MAX_MACS:  # one row always: decoding one sequence
                     best.append(None)
                     continue
                 x = torch.randn(rows, in_f, dtype=dtype, device=device)
-                best.append(_best_times(x, layouts, b, kernels, repeats))
-            gains = [min(t[(1, k)] for k in kernels) / min(t[(0, k)] for k in kernels) for t in best if t]
-            layout = int(bool(gains) and math.prod(gains) ** (1 / len(gains)) <= 1 - TRANSPOSED_MIN_GAIN)
-            if layout:
-                transposed.add((out_f, in_f))
-            use_onednn[(out_f, in_f)] = [False] + [  # bucket 0 (no rows) is never used
-                onednn if t is None else onednn and t[(layout, _onednn_linear)] < t[(layout, F.linear)]
-                for t in best]
-        return cls(use_onednn, transposed)
+                blas = not onednn or macs < TIMED_FEW_MACS or rows <= TIMED_BLAS_MAX_ROWS
+                calls = repeats if macs < TIMED_FEW_MACS else min(repeats, TIMED_FEW_REPEATS) \
+                    if macs < TIMED_ONCE_MACS else 1
+                best.append(_best_times(x, operands, b, onednn, calls, blas))
+            timed = [t for t in best if t]
+            storage = "as-is"
+            if timed:
+                score = {s: math.prod(_fastest(t, s)[1] for t in timed) ** (1 / len(timed))
+                         for s in ("as-is", "transposed", "packed") if s in operands}
+                fastest = min(score, key=score.get)
+                if score[fastest] <= (1 - TRANSPOSED_MIN_GAIN) * score["as-is"]:
+                    storage = fastest
+            del operands
+            choices = [_fastest(t, storage)[0] if t else (storage if storage == "packed" else "as-is", onednn)
+                       for t in best]
+            key = (out_f, in_f)
+            if storage == "transposed":
+                transposed.add(key)
+            elif storage == "packed":
+                packed.add(key)
+                use_live[key] = [False] + [s != "packed" for s, _ in choices]
+                one_row = best[0]
+                if one_row and "transposed" in {s for s, _ in one_row}:
+                    (_, kernel), seconds = _fastest(one_row, "transposed")
+                    saved = _fastest(one_row, "packed")[1] - seconds
+                    if saved >= SECOND_COPY_MIN_GAIN * _fastest(one_row, "packed")[1]:
+                        second.append((saved / (out_f * in_f), key, kernel))
+            use_onednn[key] = [False] + [kernel for _, kernel in choices]  # bucket 0 (no rows) is unused
+        # second copies where they save the most time per byte, as many as fit
+        room = SECOND_COPIES_MAX_BYTES
+        for _, key, kernel in sorted(second, reverse=True):
+            nbytes = sum(1 for o, i, _ in shapes if (o, i) == key) * key[0] * key[1] * torch.finfo(dtype).bits // 8
+            if nbytes > room:
+                continue
+            room -= nbytes
+            transposed.add(key)
+            use_live[key][1] = True  # one row: the transposed copy
+            use_onednn[key][1] = kernel
+        return cls(use_onednn, transposed, packed, use_live)
+
+    def without_packed(self) -> None:
+        """No packed copies: those shapes multiplied by their weights as stored, through oneDNN where the
+        packed copy was used (it was chosen there, so oneDNN is the better kernel for those rows)."""
+        for key in self.packed:
+            self.use_onednn[key] = [onednn or not live for onednn, live in zip(self.use_onednn[key],
+                                                                                 self.use_live[key])]
+            self.use_onednn[key][0] = False
+        self.packed, self.use_live = set(), {}
 
     @property
     def any_onednn(self) -> bool:
-        return any(any(choices) for choices in self.use_onednn.values())
+        return bool(self.packed) or any(any(choices) for choices in self.use_onednn.values())
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        choices = self.use_onednn.get((w.shape[0], w.shape[1]))
-        if choices is not None and choices[min(x.shape[0].bit_length(), self.max_bucket)]:
+        key = (w.shape[0], w.shape[1])
+        bucket = min(x.shape[0].bit_length(), self.max_bucket)
+        if w.is_mkldnn:  # a packed copy's view: oneDNN only, or the weight as stored (or transposed)
+            if not self.use_live[key][bucket]:
+                return linear_packed(x, w, b)
+            w = w.rows.weight
+        choices = self.use_onednn.get(key)
+        if choices is not None and choices[bucket]:
             return _onednn_linear(x, w, b)
         return F.linear(x, w, b)
 
     def summary(self) -> dict[str, str]:
         """{'OUTxIN': e.g. 'transposed copy; blas for 1-32, onednn for 64+ rows'}: how each weight shape is
-        stored and which kernel it uses for how many rows."""
+        stored and which kernel it uses for how many rows ('packed onednn': on the packed copy)."""
         out = {}
         for (o, i), choices in self.use_onednn.items():
+            live = self.use_live.get((o, i))
             runs: list[list] = []  # [kernel, first rows, last rows]
             for bucket in range(1, len(choices)):
                 kernel, rows = "onednn" if choices[bucket] else "blas", 1 << (bucket - 1)
+                if live is not None and not live[bucket]:
+                    kernel = "packed onednn"
                 if runs and runs[-1][0] == kernel:
                     runs[-1][2] = rows
                 else:
                     runs.append([kernel, rows, rows])
             runs[-1][2] = None  # the last bucket also takes every larger row count
-            layout = "transposed copy; " if (o, i) in self.transposed else ""
+            layout = ("packed and transposed copies; " if live and (o, i) in self.transposed else "packed copy; "
+                      if live else "transposed copy; " if (o, i) in self.transposed else "")
             out[f"{o}x{i}"] = layout + ", ".join(f"{k} for {lo}+" if hi is None else f"{k} for {lo}-{hi}" if hi > lo
                                                  else f"{k} for {lo}" for k, lo, hi in runs) + " rows"
         return out
 
 
+# What each storage may multiply by: its own operands ("as-is" is the weight as stored, which a packed shape
+# keeps too)
+_STORAGE_OPERANDS = {"as-is": ("as-is",), "transposed": ("transposed",), "packed": ("packed", "as-is")}
+
+
+def _fastest(times: dict[tuple[str, bool], float], storage: str) -> tuple[tuple[str, bool], float]:
+    """((operand, oneDNN?), seconds) of the fastest candidate that `storage` allows."""
+    allowed = {k: t for k, t in times.items() if k[0] in _STORAGE_OPERANDS[storage]}
+    key = min(allowed, key=allowed.get)
+    return key, allowed[key]
+
+
+def _timing_operands(out_f: int, in_f: int, dtype: torch.dtype, device: torch.device,
+                     layout: PackedLayout | None) -> dict[str, list[torch.Tensor]]:
+    """{storage: copies of one random weight [out_f, in_f] so stored}, enough copies to time them as a decode
+    step reads them (TIMED_COLD_BYTES); "packed" (views) only with a `layout`. Uniform values: as fast to
+    multiply as any others, and faster to draw than normal ones."""
+    count = max(1, min(TIMED_MAX_COPIES, TIMED_COLD_BYTES // max(1, out_f * in_f * torch.finfo(dtype).bits // 8)))
+    weights = [torch.empty(out_f, in_f, dtype=dtype, device=device).uniform_(-1, 1) for _ in range(count)]
+    operands = {"as-is": weights, "transposed": [transposed_copy(w) for w in weights]}
+    if layout is not None:
+        operands["packed"] = [layout.view(_packed(w)) for w in weights]
+    return operands
+
+
+def _packed(w: torch.Tensor) -> torch.Tensor:
+    copy, fill = relayout_copier("packed", w)
+    fill()
+    return copy
+
+
 @torch.inference_mode()
-def _best_times(x: torch.Tensor, layouts: Sequence[torch.Tensor], b: torch.Tensor | None,
-                kernels: Sequence[Callable], repeats: int) -> dict[tuple[int, Callable], float]:
-    """{(layout index, kernel): best of `repeats` calls}, the calls interleaved (so a slow moment of the machine
-    hits every candidate), after one warm-up call each."""
-    candidates = [(i, k) for i in range(len(layouts)) for k in kernels]
+def _best_times(x: torch.Tensor, operands: dict[str, list[torch.Tensor]], b: torch.Tensor | None, onednn: bool,
+                repeats: int, blas: bool = True) -> dict[tuple[str, bool], float]:
+    """{(storage, oneDNN?): best of `repeats` calls}, the calls interleaved (so a slow moment of the machine
+    hits every candidate), after one warm-up call each; each call multiplies by the next copy in `operands`.
+    BLAS only with `blas`, oneDNN only with `onednn` (one of them must be on)."""
+    kernels_for = {"packed": (True,)} if onednn else {}
+    kernels = tuple(k for k, on in ((False, blas), (True, onednn)) if on)
+    candidates = [(s, k) for s in operands for k in kernels_for.get(s, kernels)]
+    functions = {False: F.linear, True: _onednn_linear}
+    run = {(s, k): (linear_packed if s == "packed" else functions[k]) for s, k in candidates}
     best = dict.fromkeys(candidates, float("inf"))
-    for i, k in candidates:
-        k(x, layouts[i], b)
-    for _ in range(repeats):
-        for i, k in candidates:
+    for c in candidates:
+        run[c](x, operands[c[0]][0], b)
+    for i in range(repeats):
+        for c in candidates:
+            # a copy of the weight other than the one this storage's previous call read (copy 0 warmed up)
+            w = operands[c[0]][(2 * i + c[1] + 1) % len(operands[c[0]])]
             start = time.perf_counter()
-            k(x, layouts[i], b)
-            best[(i, k)] = min(best[(i, k)], time.perf_counter() - start)
+            run[c](x, w, b)
+            best[c] = min(best[c], time.perf_counter() - start)
     return best
 
 
@@ -264,6 +389,15 @@ class _Norm:
         return cls(module, w, (w.shape[-1],), eps, torch.tensor(eps, dtype=w.dtype, device=w.device))
 
 
+class _RowsOperand:
+    """What the rows of a packed weight's product that are not multiplied by the packed copy (LinearKernels'
+    `use_live`) are multiplied by: `weight`, the weight as stored, or (a relayout slot of its own) its transposed
+    copy. Every view of the packed copy refers to it (packed.py's `PackedLayout.view`)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+
 @dataclass
 class _Layer:
     """One decoder layer's weights as the fast path uses them (views of the model's parameters)."""
@@ -290,8 +424,10 @@ class SlotRunner:
         """`onednn`: whether oneDNN linears may be chosen (default: where usable, see `_onednn_usable`).
         `choose_kernels(shapes)`: how the weights of these (out, in, has bias) shapes are multiplied.
         By default `LinearKernels.timed` on a CPU with float32 weights; elsewhere every weight stays as it is
-        and goes through F.linear. `transposed`: "auto" keeps transposed copies of the weights where that was
-        chosen, "all" of every weight multiplied, "none" of none (no second copy of the weights in memory)."""
+        and goes through F.linear. `transposed`: "auto" keeps transposed or packed copies of the weights where
+        that was chosen, "all" transposed copies of every weight multiplied, "none" no copy (no second copy of
+        the weights in memory), "packed" packed copies of every float32 weight whose shape allows one here
+        (untimed: `LinearKernels.fixed`), the others as stored."""
         if transposed not in TRANSPOSED_CHOICES:
             raise ValueError(f"transposed must be one of {', '.join(TRANSPOSED_CHOICES)}, not {transposed!r}")
         self.model = model
@@ -317,18 +453,26 @@ class SlotRunner:
         kernels = None
         if choose_kernels is not None:
             kernels = choose_kernels(self._linear_shapes())
+        elif transposed == "packed":
+            on = self.device.type == "cpu" and self.dtype == torch.float32 and self.onednn
+            kernels = LinearKernels.fixed(self._linear_shapes(), packed=on)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             kernels = LinearKernels.timed(self._linear_shapes(), self.dtype, self.device, onednn=self.onednn)
         self.linear: LinearKernels | Callable = F.linear
-        # (holder, attribute, live weight) of every weight the runner multiplies with a transposed copy
+        # (holder, attribute, live weight) of every weight the runner multiplies with a copy, and the copy's
+        # layout ("transposed" or "packed": `relayout_copier`)
         self.relayout_slots: list[tuple[object, str, torch.Tensor]] = []
+        self.relayout_layouts: list[str] = []
+        # by slot of a packed copy: its layout, and what the rows that are not multiplied by it are multiplied by
+        self._packed_layouts: dict[int, tuple[PackedLayout, _RowsOperand]] = {}
         self._retired: dict[int, torch.Tensor] = {}  # copies `use_copies` replaced, by slot: the next ones' memory
         # ids of copies in use that another process wrote (receiver.py) and may write again: never retired here
         self._foreign: set[int] = set()
         if kernels is not None:
-            if transposed != "auto":
+            if transposed in ("all", "none"):
+                kernels.without_packed()
                 kernels.transposed = set(kernels.use_onednn) if transposed == "all" else set()
-            self.relayout_slots = self._relayout_slots(kernels.transposed)
+            self._relayout_slots(kernels)
             self.use_weights(self.transposed_weights())
             if kernels.any_onednn:  # else F.linear itself: no lookup per call (~2.5 us each)
                 self.linear = kernels
@@ -373,18 +517,31 @@ class SlotRunner:
         """(out, in, has bias) of every weight that goes through `self.linear`."""
         return [(w.shape[0], w.shape[1], b is not None) for _, _, w, b in self._linears()]
 
-    def _relayout_slots(self, shapes: set[tuple[int, int]]) -> list[tuple[object, str, torch.Tensor]]:
-        """Where the weights of these shapes are read from: (holder, attribute, live weight). A head tied to the
-        embedding is one of them where its shape is: the head then multiplies by a copy of its own while the
-        embedding's lookups go on reading the live weight row by row (`_embed_w`). One row at a time that copy
-        matters most: a [vocab, hidden] head as stored ran at 8.5 GB/s, its transposed copy at 29 (32768 x 256,
-        1 thread, EPYC), a third of a 20M model's decode step."""
-        return [(holder, attr, w) for holder, attr, w, _ in self._linears() if (w.shape[0], w.shape[1]) in shapes]
+    def _relayout_slots(self, kernels: LinearKernels) -> None:
+        """Where the weights of the shapes `kernels` multiplies by copies are read from: (holder, attribute, live
+        weight), and each copy's layout. A weight with both a packed and a transposed copy has two slots: the
+        transposed copy's holder is the `_RowsOperand` of the packed one. A head tied to the embedding gets
+        copies like any weight of its shape, while the embedding's lookups go on reading the live weight row by
+        row (`_embed_w`). One row at a time its copy matters most: a [vocab, hidden] head as stored ran at 8.5
+        GB/s, its transposed copy at 29 (32768 x 256, 1 thread, EPYC), a third of a 20M model's decode step."""
+        for holder, attr, w, _ in self._linears():
+            key = (w.shape[0], w.shape[1])
+            transposed = key in kernels.transposed
+            if key in kernels.packed:
+                rows = _RowsOperand(w)
+                self._packed_layouts[len(self.relayout_slots)] = (PackedLayout.of(*key), rows)
+                self.relayout_slots.append((holder, attr, w))
+                self.relayout_layouts.append("packed")
+                holder, attr = rows, "weight"
+            if transposed:
+                self.relayout_slots.append((holder, attr, w))
+                self.relayout_layouts.append("transposed")
 
-    # --- weights stored transposed -------------------------------------------------------------------------
+    # --- weights stored transposed (or packed) --------------------------------------------------------------
     # The model's parameters (and the fused buffers they are views of) stay as the wire lays them, so that an
     # update lands in them with no copy (spare_weights.py). Where multiplying by a weight is faster with it
-    # stored transposed (`LinearKernels.transposed`), the runner multiplies by a transposed copy instead. While
+    # stored transposed (`LinearKernels.transposed`) or packed (`LinearKernels.packed`, packed.py), the runner
+    # multiplies by such a copy instead: one per relayout slot, in the slot's layout (`relayout_layouts`). While
     # sequences decode, the engine builds the copies of an update's weights from the received tensors before
     # it switches to them (`copy_plans`, each filled as its weight arrives) and takes them into use at the
     # switch (`use_copies`), so decoding never multiplies by a stale copy nor slows down on the live weights.
@@ -392,16 +549,29 @@ class SlotRunner:
     # with the live weights themselves) until the copies built after the switch (`build_copies`) are ready.
 
     def transposed_weights(self) -> list[torch.Tensor]:
-        """Transposed copies of the live weights of every relayout slot (freshly allocated)."""
-        return [transposed_copy(live) for _, _, live in self.relayout_slots]
+        """Copies of the live weights of every relayout slot in its layout (freshly allocated)."""
+        copies = []
+        for (_, _, live), layout in zip(self.relayout_slots, self.relayout_layouts):
+            copy, fill = relayout_copier(layout, live)
+            fill()
+            copies.append(copy)
+        return copies
 
     def use_weights(self, weights: Sequence[torch.Tensor]) -> None:
         """Multiply by these, one per relayout slot, from the next step on (what it replaces is not kept for
         `build_copies`: it may be a live weight). Between steps only."""
-        for (holder, attr, _), w in zip(self.relayout_slots, weights):
-            setattr(holder, attr, w)
+        for slot, ((holder, attr, _), w) in enumerate(zip(self.relayout_slots, weights)):
+            setattr(holder, attr, self._multiplied(slot, w))
         self._retired.clear()
         self._foreign.clear()
+
+    def _multiplied(self, slot: int, weight: torch.Tensor) -> torch.Tensor:
+        """What the runner multiplies by for a slot holding `weight` (a copy in the slot's layout, or the live
+        weight): a packed copy as oneDNN's view of it."""
+        if weight is self.relayout_slots[slot][2] or self.relayout_layouts[slot] != "packed":
+            return weight
+        layout, rows = self._packed_layouts[slot]
+        return layout.view(weight, rows)
 
     def build_copies(self, sources: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Transposed copies of `sources` (relayout slot -> the weight that slot will hold), written into the
@@ -415,8 +585,9 @@ class SlotRunner:
 
     def copy_plans(self, sources: dict[int, torch.Tensor]) -> dict[int, tuple[torch.Tensor, Callable[[], None]]]:
         """`build_copies` in two halves, per slot: (the copy, a function that fills it from the source as it is
-        when called): for sources whose values have not arrived yet (`transposed_copier`)."""
-        return {slot: transposed_copier(src, out=self._retired.pop(slot, None)) for slot, src in sources.items()}
+        when called): for sources whose values have not arrived yet (`relayout_copier`)."""
+        return {slot: relayout_copier(self.relayout_layouts[slot], src, out=self._retired.pop(slot, None))
+                for slot, src in sources.items()}
 
     def use_copies(self, copies: dict[int, torch.Tensor], foreign: bool = False) -> None:
         """Multiply by these (relayout slot -> transposed copy, or the slot's live weight itself) from the next
@@ -426,11 +597,12 @@ class SlotRunner:
             holder, attr, live = self.relayout_slots[slot]
             old = getattr(holder, attr)
             if old is not live and id(old) not in self._foreign:  # a copy of ours, not the live weight
-                self._retired[slot] = old
+                self._retired[slot] = old.panels if old.is_mkldnn else old
             self._foreign.discard(id(old))
+            new = self._multiplied(slot, copy)
             if foreign:
-                self._foreign.add(id(copy))
-            setattr(holder, attr, copy)
+                self._foreign.add(id(new))
+            setattr(holder, attr, new)
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position, [max_len, head_dim], from the model's rotary module (the same

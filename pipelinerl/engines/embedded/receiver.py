@@ -34,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
-from pipelinerl.engines.embedded.transpose import UpdateCopies, transposed_copier
+from pipelinerl.engines.embedded.transpose import UpdateCopies, relayout_copier
 from pipelinerl.weight_sync import (
     TensorSpec,
     WeightSyncError,
@@ -45,20 +45,24 @@ from pipelinerl.weight_sync import (
 
 log = logging.getLogger(__name__)
 # Shared memory needed, in multiples of the weights' bytes: the live weights, two arenas of a bucketed update,
-# spares of the weights no arena can hold in place, the transposed copies being built.
-SHARED_MEMORY_FACTOR = 5
+# spares of the weights no arena can hold in place; and as much again as the runner's copies of the weights
+# (transposed or packed) take, for those being built.
+SHARED_MEMORY_FACTOR = 4
 SHARED_MEMORY_DIR = "/dev/shm"
 
 
-def shared_memory_shortfall(weight_bytes: int, directory: str = SHARED_MEMORY_DIR) -> str | None:
-    """Why receiving in a process cannot be used here (too little shared memory for weights of `weight_bytes`),
-    or None. Shared tensors live in `directory` (a tmpfs); running out of it mid-update would kill the process
-    that touches the missing page (SIGBUS), so it is checked up front. Docker gives containers 64 MB unless
-    started with --shm-size."""
+def shared_memory_shortfall(weight_bytes: int, copy_bytes: int | None = None,
+                            directory: str = SHARED_MEMORY_DIR) -> str | None:
+    """Why receiving in a process cannot be used here (too little shared memory for weights of `weight_bytes`
+    whose copies in the runner's layouts take `copy_bytes`; default as many as the weights), or None. Shared
+    tensors live in `directory` (a tmpfs); running out of it mid-update would kill the process that touches the
+    missing page (SIGBUS), so it is checked up front. Docker gives containers 64 MB unless started with
+    --shm-size."""
     if not os.path.isdir(directory):
         return None  # not Linux's layout: nothing to check against
     stats = os.statvfs(directory)
-    free, need = stats.f_bavail * stats.f_frsize, SHARED_MEMORY_FACTOR * weight_bytes
+    copies = weight_bytes if copy_bytes is None else copy_bytes
+    free, need = stats.f_bavail * stats.f_frsize, SHARED_MEMORY_FACTOR * weight_bytes + copies
     if free >= need:
         return None
     return (f"receiving updates in a process keeps the weights in shared memory: it needs about "
@@ -106,6 +110,7 @@ class Setup:
     fused_groups: list
     slot_weights: list[torch.Tensor]
     cpus: list[int] | None = None
+    slot_layouts: list[str] | None = None  # the layout of each relayout slot's copies (default: transposed)
 
 
 class ReceiverDied(RuntimeError):
@@ -113,25 +118,22 @@ class ReceiverDied(RuntimeError):
 
 
 class CopyBook:
-    """The receiving process's side of the runner's transposed copies (model_runner.py): the live weight of
-    each relayout slot, and the copies to write the next ones into. A copy the engine takes into use retires the
-    one before it; this process writes only into retired copies (or new memory), never into the copy in use.
-    Which the engine uses is known here from the copies it was sent: the engine may also multiply by the live
-    weight itself, or by a copy of its own (a fused weight updated in part), which this process never writes."""
+    """The receiving process's side of the runner's transposed (or packed) copies (model_runner.py): the live
+    weight and the copies' layout of each relayout slot, and the copies to write the next ones into. A copy the
+    engine takes into use retires the one before it; this process writes only into retired copies (or new
+    memory), never into the copy in use. Which the engine uses is known here from the copies it was sent: the
+    engine may also multiply by the live weight itself, or by a copy of its own (a fused weight updated in
+    part), which this process never writes."""
 
-    def __init__(self, slot_weights: list[torch.Tensor]):
+    def __init__(self, slot_weights: list[torch.Tensor], slot_layouts: list[str] | None = None):
         self.relayout_slots = [(None, "", w) for w in slot_weights]  # the shape UpdateCopies reads
+        self.layouts = slot_layouts or ["transposed"] * len(slot_weights)  # SlotRunner.relayout_layouts
         self._current: dict[int, torch.Tensor] = {}
         self._retired: dict[int, torch.Tensor] = {}
 
     def copy_plans(self, sources: dict[int, torch.Tensor]) -> dict[int, tuple[torch.Tensor, object]]:
-        plans = {}
-        for slot, src in sources.items():
-            out = self._retired.pop(slot, None)
-            if out is None:
-                out = torch.empty(src.shape[::-1], dtype=src.dtype).share_memory_().t()
-            plans[slot] = transposed_copier(src, out=out)
-        return plans
+        return {slot: relayout_copier(self.layouts[slot], src, out=self._retired.pop(slot, None), shared=True)
+                for slot, src in sources.items()}
 
     def use(self, copies: dict[int, torch.Tensor]) -> None:
         for slot, copy in copies.items():
@@ -171,7 +173,7 @@ class _Process:
 
     def __init__(self, setup: Setup):
         self.spare = SpareWeights(setup.params, setup.fused_groups, shared=True)
-        self.book = CopyBook(setup.slot_weights)
+        self.book = CopyBook(setup.slot_weights, setup.slot_layouts)
         self.names = _Names()
         self.layouts: dict[tuple, int] = {}
         self.group: WeightUpdateGroup | None = None

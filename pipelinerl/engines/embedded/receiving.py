@@ -124,7 +124,10 @@ def make_receiver(choice: str, engine: EngineSide) -> UpdateReceiver:
         return ThreadReceiver(engine)
     if device.type != "cpu":
         raise ValueError(f"update_receiver 'process' needs the model on CPU, it is on {device}; use 'thread'")
-    shortfall = shared_memory_shortfall(sum(p.numel() * p.element_size() for p in weights))
+    # a weight may have two copies (packed, and transposed for one row): what the runner keeps decides
+    copies = [live for _, _, live in getattr(engine.runner, "relayout_slots", [])]
+    shortfall = shared_memory_shortfall(sum(p.numel() * p.element_size() for p in weights),
+                                        sum(w.numel() * w.element_size() for w in copies))
     if shortfall and choice == "process":
         raise ValueError(f"update_receiver 'process': {shortfall}; or use 'thread'")
     if shortfall:
@@ -280,7 +283,8 @@ class ProcessReceiver(UpdateReceiver):
         engine, runner = self.engine, self.engine.runner
         return Setup(engine.params, getattr(runner, "fused_groups", []),
                      [live for _, _, live in getattr(runner, "relayout_slots", [])],
-                     sorted(engine.cpus.transfer) if engine.cpus.enabled else None)
+                     sorted(engine.cpus.transfer) if engine.cpus.enabled else None,
+                     list(getattr(runner, "relayout_layouts", [])))
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from pipelinerl.engines.embedded.packed import packed_copier, packed_shape
+
 # torch's copy into a transposed matrix: panel by panel from this size up, in panels of this many source rows
 # (below ~2 MB one pass was as fast; 64 rows fastest from 1 to 18 MB).
 PANEL_MIN_BYTES = 2 << 20
@@ -51,6 +53,20 @@ def transposed_copier(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple
         omatcopy(*args)
 
     return memory.t(), fill
+
+
+def relayout_copier(layout: str, w: torch.Tensor, out: torch.Tensor | None = None,
+                    shared: bool = False) -> tuple[torch.Tensor, Callable[[], None]]:
+    """`transposed_copier` (layout "transposed") or packed.py's `packed_copier` (layout "packed"): a copy of w
+    in the layout the runner multiplies that weight by, and the function that fills it. New memory (when `out`
+    is not such a copy) is shared memory with `shared`."""
+    if layout == "packed":
+        if out is None and shared:
+            out = torch.empty(packed_shape(*w.shape), dtype=w.dtype, device=w.device).share_memory_()
+        return packed_copier(w, out)
+    if out is None and shared:
+        out = torch.empty(w.shape[::-1], dtype=w.dtype, device=w.device).share_memory_().t()
+    return transposed_copier(w, out)
 
 
 def _copy_transposed(src: torch.Tensor, memory: torch.Tensor) -> None:
