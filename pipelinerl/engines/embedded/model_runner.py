@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from pipelinerl.engines.embedded.packed import PackedLayout, linear_packed
-from pipelinerl.engines.embedded.transpose import relayout_copier, transposed_copy
+from pipelinerl.engines.embedded.transpose import relayout_copier, relayout_copy, transposed_copy
 
 FAST_PATH_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # LinearKernels times both kernels for row counts 1, 2, 4, ... up to this; more rows use the last decision.
@@ -266,14 +266,8 @@ def _timing_operands(out_f: int, in_f: int, dtype: torch.dtype, device: torch.de
     weights = [torch.empty(out_f, in_f, dtype=dtype, device=device).uniform_(-1, 1) for _ in range(count)]
     operands = {"as-is": weights, "transposed": [transposed_copy(w) for w in weights]}
     if layout is not None:
-        operands["packed"] = [layout.view(_packed(w)) for w in weights]
+        operands["packed"] = [layout.view(relayout_copy("packed", w)) for w in weights]
     return operands
-
-
-def _packed(w: torch.Tensor) -> torch.Tensor:
-    copy, fill = relayout_copier("packed", w)
-    fill()
-    return copy
 
 
 @torch.inference_mode()
@@ -550,12 +544,7 @@ class SlotRunner:
 
     def transposed_weights(self) -> list[torch.Tensor]:
         """Copies of the live weights of every relayout slot in its layout (freshly allocated)."""
-        copies = []
-        for (_, _, live), layout in zip(self.relayout_slots, self.relayout_layouts):
-            copy, fill = relayout_copier(layout, live)
-            fill()
-            copies.append(copy)
-        return copies
+        return [relayout_copy(layout, live) for (_, _, live), layout in zip(self.relayout_slots, self.relayout_layouts)]
 
     def use_weights(self, weights: Sequence[torch.Tensor]) -> None:
         """Multiply by these, one per relayout slot, from the next step on (what it replaces is not kept for
@@ -574,9 +563,9 @@ class SlotRunner:
         return layout.view(weight, rows)
 
     def build_copies(self, sources: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Transposed copies of `sources` (relayout slot -> the weight that slot will hold), written into the
-        copies that the last `use_copies` retired, so steady updates allocate nothing. Reads only `sources` and
-        retired copies: safe while decoding, but not concurrently with `use_copies`."""
+        """Copies of `sources` (relayout slot -> the weight that slot will hold) in their slots' layouts, written
+        into the copies that the last `use_copies` retired, so steady updates allocate nothing. Reads only
+        `sources` and retired copies: safe while decoding, but not concurrently with `use_copies`."""
         copies = {}
         for slot, (copy, fill) in self.copy_plans(sources).items():
             fill()

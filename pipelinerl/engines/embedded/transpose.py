@@ -69,6 +69,13 @@ def relayout_copier(layout: str, w: torch.Tensor, out: torch.Tensor | None = Non
     return transposed_copier(w, out)
 
 
+def relayout_copy(layout: str, w: torch.Tensor) -> torch.Tensor:
+    """A filled copy of w in `layout` ("transposed" or "packed"), in new ordinary memory."""
+    copy, fill = relayout_copier(layout, w)
+    fill()
+    return copy
+
+
 def _copy_transposed(src: torch.Tensor, memory: torch.Tensor) -> None:
     """memory (laid out as src.T) = src.T, with torch's copy."""
     src = src.contiguous()
