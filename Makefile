@@ -11,6 +11,8 @@ EXTRAS ?= dev$(if $(HAS_GPU),$(comma)gpu)
 comma := ,
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# test files run on this many pytest-xdist workers, a file's tests on one worker (its module fixtures once)
+TEST_WORKERS ?= 2
 
 # `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
 include launch/vllm_install.mk
@@ -94,7 +96,7 @@ compare-trl: $(STAMP)
 	$(BIN)/python -m bench.vs_trl $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -2,6 +2,7 @@ import contextlib
 import itertools
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,3 +52,36 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0
     while not condition():
         assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
         time.sleep(poll_s)
+
+
+# Under pytest-xdist (`make test` runs files on two workers), files are handed out in collection order. These take
+# the longest (seconds on 2 cores, `--durations`), so they go first: started last, the ORZ rehearsal alone kept one
+# worker busy for 4 minutes after the other had finished. Order only changes wall time, never what runs.
+LONGEST_FILES = ("test_orz_rehearsal.py", "test_pipeline.py", "test_vllm.py", "test_trainer_sharded.py",
+                 "test_chunked_logprobs.py", "test_multinode.py", "test_streams_redis.py", "test_fuzz.py",
+                 "test_tiny_recipe.py", "test_conformance.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _name_schemathesis_items(items)
+    if not getattr(config.option, "numprocesses", None):
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest keep their order
+
+
+def _name_schemathesis_items(items: list[pytest.Item]) -> None:
+    """Give each of schemathesis' per-operation items (tests/test_fuzz.py) a node id of its own.
+
+    On pytest 9.2 they all get their test function's node id (pytest now builds an item's id from `originalname`,
+    which schemathesis sets to the bare function name), and pytest-xdist, which reports by node id, then ran one
+    item of each set. The operation becomes the id's parameter part, as `pytest.mark.parametrize` would make it.
+    Any id still shared afterwards stops the run: under xdist it would silently drop tests."""
+    counts = Counter(item.nodeid for item in items)
+    for item in items:
+        label = getattr(item, "operation_label", None)
+        if counts[item.nodeid] > 1 and label and getattr(item, "_id", None) is not None and item._id.params is None:
+            item._id = item._id.with_params(label)
+    shared = sorted(nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1)
+    if shared:
+        raise pytest.UsageError(f"tests share node ids, so pytest-xdist would run only one of each: {shared[:5]}")
