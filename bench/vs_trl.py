@@ -540,7 +540,7 @@ def probe_trl_threads(recipe: Path, base: Path, lr: float, work: Path, candidate
 def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, steps: int | None = None,
                      eval_every: int | None = None, target_fraction: float = 0.9, trl_threads: int | None = None,
                      extra: Sequence[str] = (), reuse: bool = False, budget_s: float | None = None,
-                     out_dir: Path = RESULTS_DIR) -> dict:
+                     out_dir: Path = RESULTS_DIR, pipelinerl_extra: Sequence[str] = ()) -> dict:
     """Both sides' learning-rate grids on one recipe, interleaved (pipelinerl, TRL, pipelinerl, ...) so that drift
     in the machine's load hits both alike; writes vs_trl_<workload>.json and .png into `out_dir`.
 
@@ -550,7 +550,10 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
     a cached base model of the recipe as written is never replaced. `reuse`: take a run's result from an earlier
     invocation where one with the same settings is saved (to add learning rates to a grid without rerunning it).
     `budget_s`: the wall time a run may take before it is stopped (default: 3x the longest run finished so far in
-    this grid, none before the first), so that a run which stalls cannot hold the grid up for hours."""
+    this grid, none before the first), so that a run which stalls cannot hold the grid up for hours.
+    `pipelinerl_extra`: overrides for pipelinerl's runs only, its own algorithm's options (such as
+    actor.dynamic_sampling=true): the base model and TRL's runs stay those of the grid without them, so TRL's runs
+    can be reused; pipelinerl's runs and the results get names of their own."""
     from pipelinerl.config import load_config
 
     recipe = Path(recipe).resolve()
@@ -564,6 +567,9 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
     # runs of another length than the recipe's (--quick, --steps) are their own workload's: their files never
     # replace those of the recipe's own length
     label = work.name if steps == cfg.trainer.max_steps else f"{work.name}-{steps}steps"
+    pipelinerl_extra = list(pipelinerl_extra)
+    own = f"-p{hashlib.sha1(' '.join(pipelinerl_extra).encode()).hexdigest()[:8]}" if pipelinerl_extra else ""
+    label += own
     t_base = time.perf_counter()
     # without overrides, the base model other benchmarks of this recipe use (bench/common.cached_base_model): the
     # heavier recipe's warm-up takes long enough to run once per machine
@@ -609,10 +615,14 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
             if i >= len(lrs.get(side, [])):
                 continue
             lr = lrs[side][i]
-            run_dir = work / f"{side}-lr{lr:g}" if label == work.name else work / f"{side}-lr{lr:g}-{steps}steps"
+            run_dir = work / (f"{side}-lr{lr:g}" + ("" if steps == cfg.trainer.max_steps else f"-{steps}steps")
+                              + (own if side == "pipelinerl" else ""))
             result_file = run_dir.with_name(run_dir.name + ".result.json")
             settings = {**same, **({"trl_threads": threads} if side == "trl" else {})}
             overrides = [*extra, *common_overrides(base, lr, steps, eval_every)]
+            if side == "pipelinerl" and pipelinerl_extra:
+                settings["pipelinerl_extra"] = pipelinerl_extra
+                overrides += pipelinerl_extra
             run = saved(result_file, settings)
             if run:
                 print(f"[{name}] {side} lr {lr:g}: reusing {result_file}", flush=True)
@@ -638,7 +648,8 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
                   f"{1000 * (run['seconds_per_step'] or float('nan')):.0f} ms/step, {run['wall_s']:.0f} s in all",
                   flush=True)
     result = summarise_workload(label, recipe, cfg, runs, params, threads, steps, eval_every, target_fraction)
-    result["settings"].update(trl_threads_probe_s_per_step=threads_probe, recipe_overrides=extra)
+    result["settings"].update(trl_threads_probe_s_per_step=threads_probe, recipe_overrides=extra,
+                              pipelinerl_overrides=pipelinerl_extra)
     result["base_model"] = {"path": str(base), "parameters": params, "seconds_to_prepare": round(base_seconds, 1)}
     out_dir.mkdir(parents=True, exist_ok=True)
     result["png"] = str(plot_workload(label, runs, result, out_dir / f"vs_trl_{label}.png"))
@@ -826,6 +837,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a recipe override for both sides and the base model (repeatable), e.g. "
                              "model.warmup_steps=0 for a smoke test; runs in its own working directory")
+    parser.add_argument("--set-pipelinerl", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for pipelinerl's runs only (repeatable), e.g. "
+                             "actor.dynamic_sampling=true; TRL's runs and the base model stay as without it")
     parser.add_argument("--reuse", action="store_true", help="take each run's result from an earlier invocation "
                         "with the same settings where one is saved (runs/vs_trl/<recipe>/*.result.json)")
     parser.add_argument("--run-budget-s", type=float, default=None, help="stop a run after this many seconds "
@@ -853,7 +867,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.only:
                 lrs = {args.only: lrs[args.only]}
             result = compare_workload(recipe, lrs, args.steps, args.eval_every, args.target_fraction,
-                                      args.trl_threads, args.set, args.reuse, args.run_budget_s)
+                                      args.trl_threads, args.set, args.reuse, args.run_budget_s,
+                                      pipelinerl_extra=args.set_pipelinerl)
             results[result["workload"]] = result
         out = combine(results)
     for name, r in out["workloads"].items():
