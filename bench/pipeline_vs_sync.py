@@ -57,6 +57,11 @@ def measure_throughput(recipe: Path, steps: int, skip: int, model_path: Path, ti
     t_gen = median([r["wait_for_samples_s"] for r in sync_rows])
     t_train = median([r["step_s"] + r["broadcast_s"] for r in sync_rows])
     bound = (t_gen + t_train) / max(t_gen, t_train)
+    # where a pipelined step's time goes: the trainer's own step (slower than T_train where generation beside it
+    # takes memory bandwidth or CPU from it) and its wait for a batch (generation not hidden)
+    pipe_rows = [r for r in pipelined if "samples_per_s" in r][skip:]
+    pipelined_steps = {"t_train_s": median([r["step_s"] + r["broadcast_s"] for r in pipe_rows]),
+                       "wait_for_samples_s": median([r["wait_for_samples_s"] for r in pipe_rows])}
     sps_pipe, sps_sync = throughput(pipelined, skip), throughput(sync, skip)
     ratio = sps_pipe / sps_sync
     return {
@@ -67,7 +72,7 @@ def measure_throughput(recipe: Path, steps: int, skip: int, model_path: Path, ti
                    f"(T_gen {1000 * t_gen:.0f} ms, T_train {1000 * t_train:.0f} ms)",
         "samples_per_s": {"pipelined": sps_pipe, "sync": sps_sync},
         "bound": bound, "t_gen_s": t_gen, "t_train_s": t_train,
-        "fraction_of_bound": ratio / bound,
+        "fraction_of_bound": ratio / bound, "pipelined_medians": pipelined_steps,
         "settings": {"recipe": str(recipe.relative_to(ROOT)), "steps": steps, "skipped_steps": skip,
                      "overrides": list(extra),
                      "pipelined": "actor.max_lag=2", "sync": "actor.max_lag=0"},
