@@ -54,12 +54,14 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0
         time.sleep(poll_s)
 
 
-# Under pytest-xdist (`make test` runs files on two workers), files are handed out in collection order. These take
-# the longest (seconds on 2 cores, `--durations`), so they go first: started last, the ORZ rehearsal alone kept one
-# worker busy for 4 minutes after the other had finished. Order only changes wall time, never what runs.
+# Under pytest-xdist (`make test` runs files on two workers, `--no-loadscope-reorder`), files are handed out in
+# collection order. These take the longest (seconds on 2 cores, `--durations`), so they go first: started last, the
+# ORZ rehearsal alone (one test, so xdist's own order, most tests first, puts it last) kept one worker busy for 4-5
+# minutes after the other had finished. Order only changes wall time, never what runs.
 LONGEST_FILES = ("test_orz_rehearsal.py", "test_pipeline.py", "test_vllm.py", "test_trainer_sharded.py",
-                 "test_chunked_logprobs.py", "test_multinode.py", "test_streams_redis.py", "test_fuzz.py",
-                 "test_tiny_recipe.py", "test_conformance.py")
+                 "test_chunked_logprobs.py", "test_multiturn.py", "test_multinode.py", "test_streams_redis.py",
+                 "test_fuzz.py", "test_tiny_recipe.py", "test_push_failures.py", "test_trainer_ranks.py",
+                 "test_conformance.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
