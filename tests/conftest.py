@@ -54,25 +54,7 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0
         time.sleep(poll_s)
 
 
-# Under pytest-xdist (`make test` runs files on two workers, `--no-loadscope-reorder`), files are handed out in
-# collection order. These take the longest (seconds on 2 cores, `--durations`), so they go first: started last, the
-# ORZ rehearsal alone (one test, so xdist's own order, most tests first, puts it last) kept one worker busy for 4-5
-# minutes after the other had finished. Order only changes wall time, never what runs.
-LONGEST_FILES = ("test_orz_rehearsal.py", "test_pipeline.py", "test_vllm.py", "test_trainer_sharded.py",
-                 "test_chunked_logprobs.py", "test_multiturn.py", "test_multinode.py", "test_streams_redis.py",
-                 "test_fuzz.py", "test_tiny_recipe.py", "test_push_failures.py", "test_trainer_ranks.py",
-                 "test_conformance.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _name_schemathesis_items(items)
-    if not getattr(config.option, "numprocesses", None):
-        return
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: the rest keep their order
-
-
-def _name_schemathesis_items(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Give each of schemathesis' per-operation items (tests/test_fuzz.py) a node id of its own.
 
     On pytest 9.2 they all get their test function's node id (pytest now builds an item's id from `originalname`,
