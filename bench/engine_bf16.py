@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, write_result
+from bench.engine_decode import _load
 from bench.engine_scale import (
     BATCHES,
     MAX_MODEL_LEN,
@@ -31,12 +32,6 @@ from bench.engine_scale import (
 
 NAME = "engine_bf16"
 ROUNDS = 3
-
-
-def _load(path: Path, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
 
 
 def measure_size(path: Path, size: str) -> list[dict]:

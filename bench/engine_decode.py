@@ -114,10 +114,10 @@ def measure_model(path: Path, prompts: torch.Tensor, repeats: int, with_http: bo
     return row
 
 
-def _load(path: Path) -> torch.nn.Module:
+def _load(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
 
 
 def _in_process_engine(path: Path, transposed: str = "auto"):

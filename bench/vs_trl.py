@@ -566,10 +566,10 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
     work = WORK_DIR / (name if not extra else f"{name}-{hashlib.sha1(' '.join(extra).encode()).hexdigest()[:8]}")
     # runs of another length than the recipe's (--quick, --steps) are their own workload's: their files never
     # replace those of the recipe's own length
-    label = work.name if steps == cfg.trainer.max_steps else f"{work.name}-{steps}steps"
+    length = "" if steps == cfg.trainer.max_steps else f"-{steps}steps"
     pipelinerl_extra = list(pipelinerl_extra)
     own = f"-p{hashlib.sha1(' '.join(pipelinerl_extra).encode()).hexdigest()[:8]}" if pipelinerl_extra else ""
-    label += own
+    label = work.name + length + own
     t_base = time.perf_counter()
     # without overrides, the base model other benchmarks of this recipe use (bench/common.cached_base_model): the
     # heavier recipe's warm-up takes long enough to run once per machine
@@ -615,8 +615,7 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
             if i >= len(lrs.get(side, [])):
                 continue
             lr = lrs[side][i]
-            run_dir = work / (f"{side}-lr{lr:g}" + ("" if steps == cfg.trainer.max_steps else f"-{steps}steps")
-                              + (own if side == "pipelinerl" else ""))
+            run_dir = work / f"{side}-lr{lr:g}{length}{own if side == 'pipelinerl' else ''}"
             result_file = run_dir.with_name(run_dir.name + ".result.json")
             settings = {**same, **({"trl_threads": threads} if side == "trl" else {})}
             overrides = [*extra, *common_overrides(base, lr, steps, eval_every)]
