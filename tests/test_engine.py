@@ -378,7 +378,7 @@ def test_openai_completions(engine):
     assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == len(body["choices"][0]["logprobs"]["tokens"])
 
 
-def test_info_and_metrics(engine):
+def test_info_and_metrics(engine, trainer):  # trainer: the engine has joined its weight-update group
     info = engine.info()
     assert info.engine == "embedded" and info.vocab_size == 100 and info.max_model_len == 1100
     assert info.weight_group == "weight_update"
