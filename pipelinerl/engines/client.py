@@ -10,7 +10,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
@@ -27,7 +27,9 @@ from pipelinerl.contracts.inference import (
     UpdateWeightsRequest,
     UpdateWeightsResponse,
 )
-from pipelinerl.weight_sync import DTYPE_NAMES, TensorSpec, WeightUpdateGroup, broadcast_tensors
+
+if TYPE_CHECKING:  # torch is imported where tensors are: a process that only generates (the actor) never loads it
+    from pipelinerl.weight_sync import TensorSpec, WeightUpdateGroup
 
 
 class EngineError(RuntimeError):
@@ -227,6 +229,8 @@ def _check_text(resp: httpx.Response) -> str:
 
 
 def param_specs(named: Sequence[tuple[str, Any]]) -> list[ParamSpec]:
+    from pipelinerl.weight_sync import DTYPE_NAMES
+
     return [ParamSpec(name=n, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape)) for n, t in named]
 
 
@@ -239,6 +243,8 @@ def _params_json(params: tuple[tuple[str, str, tuple[int, ...]], ...]) -> str:
 
 
 def _as_spec(p: TensorSpec | tuple[str, Any]) -> tuple[str, str, tuple[int, ...]]:
+    from pipelinerl.weight_sync import DTYPE_NAMES, TensorSpec
+
     if isinstance(p, TensorSpec):
         return p.name, DTYPE_NAMES[p.dtype], p.shape
     name, t = p
@@ -296,6 +302,8 @@ def push_weights(group: WeightUpdateGroup, engines: Sequence[EngineClient], name
                  version: int, bucket_bytes: int = 0) -> list[UpdateWeightsResponse]:
     """Rank 0: post the update to every engine and broadcast the tensors `named` at the same time
     (`send_update_and_broadcast`); returns every engine's answer."""
+    from pipelinerl.weight_sync import broadcast_tensors
+
     return send_update_and_broadcast(
         group, engines, named, version, bucket_bytes,
         lambda ready: broadcast_tensors(group, [t for _, t in named], bucket_bytes, ready))[1]
