@@ -86,10 +86,13 @@ class Actor:
         self.trainer_version = 0
         self.trainer_consumed = 0  # samples the trainer has taken from the stream (its control messages say)
         self.done = False
-        # groups_dropped_*: dropped by dynamic sampling (`dynamic_sampling_drop`)
+        # groups_dropped_*: dropped by dynamic sampling (`dynamic_sampling_drop`). samples_generated(_correct):
+        # every answer of every scored group, kept or dropped. Their accuracy is the policy's own; under dynamic
+        # sampling the trainer's reward_mean is that of the kept groups, which have a right and a wrong answer,
+        # so it can rise while the policy gets no better (plot.generated_accuracy turns these into a curve)
         self.counts = {"groups_started": 0, "groups_streamed": 0, "groups_dropped_all_correct": 0,
                        "groups_dropped_all_wrong": 0, "groups_failed": 0, "samples_streamed": self.streamed,
-                       "requests_resent": 0}
+                       "samples_generated": 0, "samples_generated_correct": 0, "requests_resent": 0}
         self.started = time.monotonic()
         self.launch_id = uuid.uuid4().hex[:8]
         self.dropped_in_a_row = 0
@@ -175,6 +178,8 @@ class Actor:
     def _stream_group(self, samples: list[Sample]) -> None:
         """Append a scored group to the samples stream in one write (the trainer takes groups whole), or drop it
         under dynamic sampling and count why."""
+        self.counts["samples_generated"] += len(samples)
+        self.counts["samples_generated_correct"] += sum(s.reward_parts.get("correct", 0.0) > 0 for s in samples)
         if self.cfg.actor.dynamic_sampling and (why := dynamic_sampling_drop(samples)) is not None:
             self.counts[f"groups_dropped_{why}"] += 1
             self.dropped_in_a_row += 1

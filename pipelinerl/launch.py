@@ -648,8 +648,9 @@ def run_engine_node(cfg: RunConfig, plan: NodePlan) -> int:
 
 
 def report(run_dir: Path) -> None:
-    """Held-out accuracy before and after, the curves as PNG, where everything is."""
-    from pipelinerl.plot import plot_runs, read_metrics
+    """Held-out accuracy before and after, the accuracy of the answers generated, the curves as PNG, where
+    everything is."""
+    from pipelinerl.plot import generated_accuracy, plot_runs, read_metrics
 
     rows = read_metrics(run_dir)
     evals = [r for r in rows if "eval_accuracy" in r]
@@ -658,6 +659,11 @@ def report(run_dir: Path) -> None:
         print(f"held-out pass@1: {first['eval_accuracy']:.3f} at step {first['step']} -> "
               f"{last['eval_accuracy']:.3f} at step {last['step']} "
               f"({100 * (last['eval_accuracy'] - first['eval_accuracy']):+.1f} points)")
+    generated = generated_accuracy(run_dir)
+    if len(generated) >= 2:  # the policy's own accuracy: the trained batch's reward leaves dynamic sampling's drops out
+        print(f"answers generated: {generated[0]['generated_accuracy']:.3f} right in the first window -> "
+              f"{generated[-1]['generated_accuracy']:.3f} in the last (actor_metrics.jsonl, all groups, kept or "
+              "dropped)")
     try:
         pngs = plot_runs([run_dir])
         print(f"curves: {', '.join(str(p) for p in pngs)}")

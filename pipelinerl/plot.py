@@ -1,7 +1,7 @@
-"""`pipelinerl plot RUN_DIR [RUN_DIR ...]`: PNG curves of a run's metrics (reward, held-out accuracy, lag,
-throughput, KL, entropy), against step and against wall-clock time; several runs overlay for comparison. Runs
-whose evaluation is per benchmark (`eval_<benchmark>_avg@<k>` keys) also get eval_benchmarks.png: one line per
-benchmark and their mean, one panel per run."""
+"""`pipelinerl plot RUN_DIR [RUN_DIR ...]`: PNG curves of a run's metrics (reward, the accuracy of all answers
+generated, held-out accuracy, lag, throughput, KL, entropy), against step and against wall-clock time; several
+runs overlay for comparison. Runs whose evaluation is per benchmark (`eval_<benchmark>_avg@<k>` keys) also get
+eval_benchmarks.png: one line per benchmark and their mean, one panel per run."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from pathlib import Path
 
 # Each panel: (title, candidate metric keys, first found is drawn).
 PANELS = [
-    ("reward", ["reward_mean", "reward"]),
+    ("reward (trained batch)", ["reward_mean", "reward"]),
+    # every answer the actor scored, kept or dropped by dynamic sampling (`generated_accuracy`)
+    ("accuracy of all answers generated", ["generated_accuracy"]),
     ("held-out accuracy", ["eval_accuracy", "eval/accuracy"]),  # the mean over benchmarks where there are several
     ("lag (versions)", ["lag_mean", "lag"]),
     ("samples / s", ["samples_per_s"]),
@@ -36,6 +38,34 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return rows
 
 
+def generated_accuracy(run_dir: str | Path, min_samples: int = 256) -> list[dict]:
+    """The accuracy of every answer the actor scored, kept or dropped by dynamic sampling, as rows
+    {"step", "time", "generated_accuracy"}: from the cumulative counters of `actor_metrics.jsonl`, over windows of
+    at least `min_samples` answers (the actor reports every 5 s). "step" is the trainer's version the actor had
+    seen at the window's end, "time" the actor's clock (both start with the run). Empty without the file or the
+    counters (a run from before they existed)."""
+    path = Path(run_dir) / "actor_metrics.jsonl"
+    if not path.exists():
+        return []
+    out, start = [], None
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written while we read
+        if "samples_generated" not in row:
+            continue
+        if start is None or row["samples_generated"] < start["samples_generated"]:
+            start = row  # the first row, or a resumed actor whose counters began again at 0
+            continue
+        n = row["samples_generated"] - start["samples_generated"]
+        if n >= min_samples:
+            correct = row["samples_generated_correct"] - start["samples_generated_correct"]
+            out.append({"step": row["trainer_version"], "time": row["time"], "generated_accuracy": correct / n})
+            start = row
+    return out
+
+
 def _series(rows: list[dict], keys: list[str], x_key: str) -> tuple[list[float], list[float]]:
     for key in keys:
         pts = [(r[x_key], r[key]) for r in rows if key in r and x_key in r and _finite(r[key])]
@@ -48,6 +78,11 @@ def _finite(v: object) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
+def panels_with_data(runs: dict[str, list[dict]]) -> list[tuple[str, list[str]]]:
+    """The panels of `PANELS` that some run has a metric for."""
+    return [p for p in PANELS if any(_series(rows, p[1], "step")[0] for rows in runs.values())]
+
+
 def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> list[Path]:
     """Write `<out>/curves_step.png` and `<out>/curves_time.png` (out defaults to the first run dir), and
     `<out>/eval_benchmarks.png` when a run evaluates per benchmark."""
@@ -56,10 +91,10 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> list
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {str(d): read_metrics(d) for d in run_dirs}
+    runs = {str(d): read_metrics(d) + generated_accuracy(d) for d in run_dirs}
     out_dir = Path(out or run_dirs[0])
     out_dir.mkdir(parents=True, exist_ok=True)
-    panels = [p for p in PANELS if any(_series(rows, p[1], "step")[0] for rows in runs.values())]
+    panels = panels_with_data(runs)
     if not panels:
         raise ValueError(f"no plottable metrics in {', '.join(runs)}")
     written = []

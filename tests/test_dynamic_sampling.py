@@ -58,6 +58,8 @@ def test_actor_drops_groups_without_a_correctness_signal(tmp_path, tiny_model_di
     assert [s.reward_parts["correct"] for s in streamed] == [1.0, 0.0, 0.0]
     assert actor.counts["groups_dropped_all_wrong"] == actor.counts["groups_dropped_all_correct"] == 1
     assert actor.counts["groups_streamed"] == 1 and actor.streamed == 3
+    # every answer scored counts towards the policy's accuracy, the dropped groups' too: 4 right of 9
+    assert (actor.counts["samples_generated"], actor.counts["samples_generated_correct"]) == (9, 4)
     assert json.loads(actor.state_path.read_text())["streamed_samples"] == 3
 
 

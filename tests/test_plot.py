@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pipelinerl.plot import benchmark_keys, plot_runs
+from pipelinerl.plot import benchmark_keys, generated_accuracy, panels_with_data, plot_runs, read_metrics
 
 
 def test_plot_writes_pngs_for_several_runs(tmp_path):
@@ -37,3 +37,26 @@ def test_per_benchmark_eval_gets_a_png_of_its_own(tmp_path):
     assert [p.name for p in paths] == ["curves_step.png", "curves_time.png", "eval_benchmarks.png"]
     png = paths[-1].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_the_accuracy_of_all_answers_generated_comes_from_the_actors_counters(tmp_path):
+    """Under dynamic sampling the trained batch holds only groups with a right and a wrong answer, so its reward
+    says little about the policy; the actor's cumulative counters give the accuracy of every answer, per window
+    of at least min_samples answers, and start again where a resumed actor's counters do."""
+    counters = [(0, 0, 0), (1, 100, 10), (2, 300, 40), (3, 500, 100), (4, 560, 130),  # first actor
+                (4, 0, 0), (5, 250, 150)]  # resumed: its counters begin again
+    rows = [{"time": 5.0 * i, "trainer_version": v, "samples_generated": n, "samples_generated_correct": c}
+            for i, (v, n, c) in enumerate(counters)]
+    (tmp_path / "actor_metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{torn")
+    windows = generated_accuracy(tmp_path, min_samples=200)
+    assert [(w["step"], w["time"], w["generated_accuracy"]) for w in windows] == [
+        (2, 10.0, 40 / 300), (3, 15.0, 60 / 200), (5, 30.0, 150 / 250)]
+    assert generated_accuracy(tmp_path / "nowhere") == []
+
+    # plot_runs draws it as a panel of its own beside the trained batch's reward
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"step": i, "time": 2.0 * i, "reward_mean": 0.5})
+                                                      for i in range(1, 6)) + "\n")
+    runs = {"run": read_metrics(tmp_path) + windows}
+    titles = [title for title, _ in panels_with_data(runs)]
+    assert titles[:2] == ["reward (trained batch)", "accuracy of all answers generated"]
+    assert plot_runs([tmp_path])[0].stat().st_size > 5000
