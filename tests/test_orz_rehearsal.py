@@ -58,9 +58,12 @@ def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path):
     assert all(len(s["behav_logprobs"]) == len(s["versions"]) == len(s["output_token_ids"]) for s in stopped)
 
     # reward rises (ORZ's: 1 for a correct \boxed{} in the <answer> block of an output that stopped)
+    # The first 15 steps against the second half: the last 15 alone swing by 0.1 between runs (measured 0.217 ->
+    # 0.272, 0.202 -> 0.441), the second half's mean less (0.31, 0.39)
     first = sum(row["reward_mean"] for row in steps[:15]) / 15
-    last = sum(row["reward_mean"] for row in steps[-15:]) / 15
-    assert last > first + 0.05, f"reward {first:.3f} -> {last:.3f}"  # measured 0.18 -> 0.40
+    later = steps[len(steps) // 2:]
+    second_half = sum(row["reward_mean"] for row in later) / len(later)
+    assert second_half > first + 0.05, f"reward {first:.3f} -> {second_half:.3f}"
 
     # per-benchmark evaluation, before and after, with the mean over benchmarks
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps[-1]["step"]
