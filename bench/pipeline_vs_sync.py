@@ -35,10 +35,21 @@ def launch(run_dir: Path, overrides: list[str], timeout_s: int = 1800, recipe: P
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def step_rows(rows: list[dict], skip: int) -> list[dict]:
+    """The training steps' rows from step `skip` on (held-out evaluations' rows left out)."""
+    return [r for r in rows if "samples_per_s" in r][skip:]
+
+
+def step_medians(rows: list[dict]) -> tuple[float, float]:
+    """The median wait for a batch and the median trainer step with its weight broadcast, in seconds."""
+    return (median([r["wait_for_samples_s"] for r in rows]),
+            median([r["step_s"] + r["broadcast_s"] for r in rows]))
+
+
 def throughput(rows: list[dict], skip: int) -> float:
     """Samples/s between the end of step `skip` and the last step (start-up and first batches excluded)."""
-    train = [r for r in rows if "samples_per_s" in r]
-    first, last = train[skip], train[-1]
+    train = step_rows(rows, skip)
+    first, last = train[0], train[-1]
     return (last["samples_total"] - first["samples_total"]) / (last["time"] - first["time"])
 
 
@@ -53,15 +64,13 @@ def measure_throughput(recipe: Path, steps: int, skip: int, model_path: Path, ti
         base = Path(tmp)
         pipelined = launch(base / "pipelined", common + ["actor.max_lag=2"], timeout_s, recipe)
         sync = launch(base / "sync", common + ["actor.max_lag=0"], timeout_s, recipe)
-    sync_rows = [r for r in sync if "samples_per_s" in r][skip:]
-    t_gen = median([r["wait_for_samples_s"] for r in sync_rows])
-    t_train = median([r["step_s"] + r["broadcast_s"] for r in sync_rows])
+    # synchronous: a step waits for its whole batch to be generated, then trains, so the two medians are T_gen, T_train
+    t_gen, t_train = step_medians(step_rows(sync, skip))
     bound = (t_gen + t_train) / max(t_gen, t_train)
     # where a pipelined step's time goes: the trainer's own step (slower than T_train where generation beside it
     # takes memory bandwidth or CPU from it) and its wait for a batch (generation not hidden)
-    pipe_rows = [r for r in pipelined if "samples_per_s" in r][skip:]
-    pipelined_steps = {"t_train_s": median([r["step_s"] + r["broadcast_s"] for r in pipe_rows]),
-                       "wait_for_samples_s": median([r["wait_for_samples_s"] for r in pipe_rows])}
+    pipe_wait, pipe_train = step_medians(step_rows(pipelined, skip))
+    pipelined_steps = {"t_train_s": pipe_train, "wait_for_samples_s": pipe_wait}
     sps_pipe, sps_sync = throughput(pipelined, skip), throughput(sync, skip)
     ratio = sps_pipe / sps_sync
     return {

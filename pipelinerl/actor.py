@@ -53,7 +53,7 @@ def dynamic_sampling_drop(samples: Sequence[Sample]) -> str | None:
     """
     if len(samples) < 2:
         return None
-    correct = {s.reward_parts.get("correct", 0.0) > 0 for s in samples}
+    correct = {s.correct for s in samples}
     if len(correct) > 1:
         return None
     return "all_correct" if correct.pop() else "all_wrong"
@@ -179,7 +179,7 @@ class Actor:
         """Append a scored group to the samples stream in one write (the trainer takes groups whole), or drop it
         under dynamic sampling and count why."""
         self.counts["samples_generated"] += len(samples)
-        self.counts["samples_generated_correct"] += sum(s.reward_parts.get("correct", 0.0) > 0 for s in samples)
+        self.counts["samples_generated_correct"] += sum(s.correct for s in samples)
         if self.cfg.actor.dynamic_sampling and (why := dynamic_sampling_drop(samples)) is not None:
             self.counts[f"groups_dropped_{why}"] += 1
             self.dropped_in_a_row += 1

@@ -29,6 +29,10 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
+    return _jsonl_rows(path)
+
+
+def _jsonl_rows(path: Path) -> list[dict]:
     rows = []
     for line in path.read_text().splitlines():
         try:
@@ -48,11 +52,7 @@ def generated_accuracy(run_dir: str | Path, min_samples: int = 256) -> list[dict
     if not path.exists():
         return []
     out, start = [], None
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being written while we read
+    for row in _jsonl_rows(path):
         if "samples_generated" not in row:
             continue
         if start is None or row["samples_generated"] < start["samples_generated"]:

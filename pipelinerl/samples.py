@@ -40,6 +40,12 @@ class Sample(BaseModel):
         return self
 
     @property
+    def correct(self) -> bool:
+        """Whether the verifier judged the answer right (`reward_parts["correct"]`, whatever shaping did to the
+        reward)."""
+        return self.reward_parts.get("correct", 0.0) > 0
+
+    @property
     def model_versions(self) -> list[int]:
         """The versions of the tokens the model wrote (tool output tokens carry none)."""
         if not self.output_mask:
