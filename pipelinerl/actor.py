@@ -85,6 +85,8 @@ class Actor:
         self.in_flight = 0  # samples being generated or scored
         self.trainer_version = 0
         self.trainer_consumed = 0  # samples the trainer has taken from the stream (its control messages say)
+        # of those, the fresh ones already in the batch of its current version (it says, when it asks for more)
+        self.trainer_taking = 0
         self.done = False
         # groups_dropped_*: dropped by dynamic sampling (`dynamic_sampling_drop`). samples_generated(_correct):
         # every answer of every scored group, kept or dropped. Their accuracy is the policy's own; under dynamic
@@ -134,7 +136,11 @@ class Actor:
         # The samples streamed or in flight that the trainer has not taken yet go before a group started now:
         # it is consumed that many full steps after the trainer's current version. Counting from what the
         # trainer says it consumed (not from the step number) keeps this right when it drops stale samples.
-        queued = self.streamed + self.in_flight - self.trainer_consumed
+        # A trainer that dropped stale samples and asks for more mid-batch has already taken `trainer_taking` of its
+        # current version's batch: the queue fills the rest of that batch first, so it counts them too (without,
+        # groups started then land a version later than planned, and under dynamic sampling, whose dropped groups
+        # make the trainer ask often, a fifth of the samples went stale).
+        queued = self.streamed + self.in_flight - self.trainer_consumed + self.trainer_taking
         steps_ahead = max(0, queued) // self.cfg.trainer.samples_per_step
         if self.trainer_version + steps_ahead >= self.cfg.trainer.max_steps:
             return False  # enough samples for the rest of the run are streamed or on their way
@@ -150,7 +156,11 @@ class Actor:
     def _read_control(self) -> None:
         for msg in self.control.read():
             if msg.get("kind") == "version":
-                self.trainer_version = max(self.trainer_version, int(msg["version"]))
+                version = int(msg["version"])
+                if version > self.trainer_version:
+                    self.trainer_version, self.trainer_taking = version, 0
+                if version == self.trainer_version:
+                    self.trainer_taking = max(self.trainer_taking, int(msg.get("taking", 0)))
                 self.trainer_consumed = max(self.trainer_consumed, int(msg.get("consumed", 0)))
             elif msg.get("kind") == "done":
                 self.done = True

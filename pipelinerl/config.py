@@ -230,9 +230,6 @@ class TrainerConfig:
     # (and after this many held-out evaluations without a new best eval_accuracy; 0 = never)
     ref_reset_patience: int = 0
     ref_reset_optimizer: bool = False  # ProRL v1: a reference reset also resets the optimizer's state
-    # each step takes, of the groups ready in the stream, the most lagged first, so a group that finished behind
-    # younger ones is trained before it passes actor.max_lag (false: in stream order, as they finished)
-    oldest_groups_first: bool = True
     # PPO with a value model (advantage: gae, ORZ's method); unused otherwise
     critic: CriticConfig = field(default_factory=CriticConfig)
     max_steps: int = 100

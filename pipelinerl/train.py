@@ -41,7 +41,7 @@ from pipelinerl.trainer.checkpoint import (
     save_checkpoint,
 )
 from pipelinerl.trainer.publisher import EngineWaitInterrupted
-from pipelinerl.trainer.ranks import host_barrier, main_process_value
+from pipelinerl.trainer.ranks import host_barrier
 from pipelinerl.weight_sync import WeightSyncError, WeightUpdateGroup
 
 log = logging.getLogger("pipelinerl.train")
@@ -135,7 +135,7 @@ class Checkpoints:
 
 
 class SampleFeed:
-    """Whole groups of samples, the oldest first among those ready, resumable from a checkpoint's position.
+    """Whole groups of samples in stream order, resumable by a count of samples.
 
     A group is the `sampling.group_size` samples of one prompt, written by the actor in one append, so they are
     contiguous in the stream and share a `group_id`. The feed hands out only whole groups, so a group is never
@@ -143,47 +143,20 @@ class SampleFeed:
     of 0). A group that cannot be whole, fewer samples of one `group_id` followed by another (a torn write of a
     crashed actor, or a resume from a checkpoint taken mid-group before groups were kept whole), is dropped,
     counted in `incomplete` and logged.
-
-    Groups finish out of the order they started in: a group with long answers lands in the stream behind groups
-    started a version later. Taken in stream order it would wait behind them and could pass `actor.max_lag` while
-    it waits, and be dropped. So each step takes, of the groups complete in the stream, the most lagged first
-    (earliest deadline first; `trainer.oldest_groups_first`); the younger ones left are still fresh at the next
-    step. The groups left make the stream's taken part more than a prefix: a resume position is the stream index
-    of the first record not taken (`consumed_samples`) and the ids of the groups taken after it (`taken_after`).
-
-    With several trainer processes every one reads the stream and must take the same groups: the main process
-    says how many complete groups each step chooses from (`agree`, a broadcast), and the others wait until they
-    have read as many; the choice among them depends only on the stream's order and the versions.
     """
 
-    def __init__(self, cfg: RunConfig, position: Mapping | None = None,
-                 agree: Callable[[int], int] = lambda count: count):
-        position = position or {}
+    def __init__(self, cfg: RunConfig, skip: int):
         self.reader = open_reader(cfg.streams, cfg.run_dir, "samples")
         self.group_size = cfg.sampling.group_size
-        self.oldest_first = cfg.trainer.oldest_groups_first
-        self.agree = agree
-        self.buffer: deque[dict] = deque()  # records read, not yet part of a whole group
-        self.read = 0  # stream index of the buffer's first record
-        self.ready: list[tuple[int, list[Sample]]] = []  # whole groups not taken yet, (stream index, group)
-        self.taken: dict[str, int] = {}  # group id -> stream index, of groups taken while an older one waits
-        skip = int(position.get("consumed_samples", 0))
-        self.skip_ids = set(position.get("taken_after", []))  # resume: taken before, after the first untaken
-        # samples taken from the stream: trained on, dropped as stale or as incomplete groups
-        self.consumed = int(position.get("samples_taken", skip))
+        self.buffer: deque[dict] = deque()
+        self.consumed = 0  # samples taken from the stream: trained on, dropped as stale or as incomplete groups
         self.incomplete = 0  # samples dropped in incomplete groups
         self.dropped_groups: list[str] = []  # ids of groups dropped (stale or incomplete) since last asked
-        while self.read < skip:  # resume: the first `skip` records were taken before
+        while self.consumed < skip:  # resume: the first `skip` samples were trained on before
             self._fill(block=True)
-            while self.buffer and self.read < skip:
+            while self.buffer and self.consumed < skip:
                 self.buffer.popleft()
-                self.read += 1
-
-    def position(self) -> dict:
-        """Where a resume starts: the first record not taken, and the groups taken after it."""
-        first = self.ready[0][0] if self.ready else self.read
-        self.taken = {g: i for g, i in self.taken.items() if i >= first}
-        return {"consumed_samples": first, "taken_after": sorted(self.taken), "samples_taken": self.consumed}
+                self.consumed += 1
 
     def _fill(self, block: bool) -> None:
         while True:
@@ -192,18 +165,21 @@ class SampleFeed:
                 return
             time.sleep(0.02)
 
-    def take_fresh(self, n: int, version: int, max_lag: int, on_dropped: Callable[[], None] = lambda: None,
+    def take_fresh(self, n: int, version: int, max_lag: int, on_dropped: Callable[[int], None] = lambda taken: None,
                    should_stop: Callable[[], bool] = lambda: False) -> tuple[list[Sample], int]:
-        """`n` samples (`n / group_size` whole groups) at most `max_lag` versions behind `version`, the most
-        lagged of the ready groups first, and how many samples were dropped on the way.
+        """The next `n` samples (`n / group_size` whole groups) at most `max_lag` versions behind `version`, and
+        how many samples were dropped on the way.
 
         A group is stale when any of its samples is: its lag is its oldest sample's `Sample.lag` (versions
         between `version` and that sample's first token), the actor's own measure when it plans lag. A stale
-        group is dropped whole and replaced by other whole groups, so every step trains on a full batch of whole
-        groups. Incomplete groups dropped on the way count as dropped too.
+        group is dropped whole and replaced by the next whole group in the stream, so every step trains on a full
+        batch of whole groups (a group that finished late, behind younger ones, can be older than the actor
+        planned). Incomplete groups dropped on the way count as dropped too.
 
-        `on_dropped` runs before waiting for replacements: the actor plans from the count of samples taken, and
-        must hear that more are needed or it would wait for the trainer while the trainer waits for it.
+        `on_dropped(taken)` runs before waiting for replacements, with the fresh samples this batch has so far: the
+        actor plans from the count of samples taken, and must hear that more are needed or it would wait for the
+        trainer while the trainer waits for it; and that `taken` of them are this version's batch, so that the
+        samples it has queued fill the rest of it first.
         `should_stop` is asked while waiting: when it says yes, `StopRequested` is raised (the samples this call
         took are lost to this process, not to the run: a resume reads on from the checkpoint's position)."""
         if n % self.group_size:
@@ -213,92 +189,52 @@ class SampleFeed:
         dropped = 0
         while len(fresh) < n:
             incomplete_before = self.incomplete
-            choices = self._ready_groups(should_stop)
-            lags = [max(s.lag(version) for s in group) for _, group in choices]
-            stale = [i for i, lag in enumerate(lags) if lag > max_lag]
-            fresh_ones = [i for i, lag in enumerate(lags) if lag <= max_lag]
-            if self.oldest_first:  # the most lagged first, in stream order among equals (sorted is stable)
-                fresh_ones.sort(key=lambda i: -lags[i])
-            chosen = fresh_ones[:(n - len(fresh)) // self.group_size]
-            for i in sorted(chosen):  # the batch in stream order
-                fresh += choices[i][1]
-            for i in stale:
-                self.dropped_groups.append(choices[i][1][0].group_id)
-            self._take([choices[i] for i in stale + chosen])
-            dropped_now = self.incomplete - incomplete_before + len(stale) * self.group_size
+            groups = self.take_groups((n - len(fresh)) // self.group_size, should_stop)
+            dropped_now = self.incomplete - incomplete_before
+            for group in groups:
+                if max(s.lag(version) for s in group) > max_lag:
+                    dropped_now += len(group)
+                    self.dropped_groups.append(group[0].group_id)
+                else:
+                    fresh += group
             dropped += dropped_now
             if dropped_now and len(fresh) < n:
-                on_dropped()
+                on_dropped(len(fresh))
         return fresh, dropped
 
-    def _take(self, groups: list[tuple[int, list[Sample]]]) -> None:
-        gone = {index for index, _ in groups}
-        self.ready = [entry for entry in self.ready if entry[0] not in gone]
-        for index, group in groups:
-            self.consumed += len(group)
-            self._record_taken(group[0].group_id, index)
-
-    def _record_taken(self, group_id: str, index: int) -> None:
-        """A group taken (trained or dropped) while an older one still waits in `ready`: a resume from the older
-        one's position must skip it."""
-        if self.ready and index > self.ready[0][0]:
-            self.taken[group_id] = index
-
-    def _ready_groups(self, should_stop: Callable[[], bool]) -> list[tuple[int, list[Sample]]]:
-        """The whole groups to choose from now, in stream order: those complete in the stream, as many as the main
-        trainer process has (at least one; it waits for one). Raises `StopRequested` when the main process was
-        asked to stop while it waited."""
+    def take_groups(self, max_groups: int, should_stop: Callable[[], bool] = lambda: False) -> list[list[Sample]]:
+        """Up to `max_groups` whole groups: those complete in the stream now, or (if none) the first to complete."""
+        groups: list[list[Sample]] = []
         while True:
             self._fill(block=False)
-            self._collect()
-            if self.ready or should_stop():
-                break
+            while len(groups) < max_groups and (group := self._pop_group()) is not None:
+                groups.append([Sample.model_validate(record) for record in group])
+            if groups or max_groups <= 0:
+                return groups
+            if should_stop():
+                raise StopRequested
             time.sleep(0.02)
-        # -1: nothing to choose from and a stop asked for; the main process's word holds for all
-        count = self.agree(len(self.ready) if self.ready else -1)
-        if count < 0:
-            raise StopRequested
-        while len(self.ready) < count:  # the main process had read further into the stream than this one
-            time.sleep(0.02)
-            self._fill(block=False)
-            self._collect()
-        return self.ready[:count]
-
-    def _collect(self) -> None:
-        """Move the buffer's whole groups into `ready` (dropping incomplete ones, and those a resume skips)."""
-        while (group := self._pop_group()) is not None:
-            index, records = group
-            if records[0]["group_id"] in self.skip_ids:
-                self.skip_ids.discard(records[0]["group_id"])
-                continue
-            self.ready.append((index, [Sample.model_validate(record) for record in records]))
 
     def take_dropped_groups(self) -> list[str]:
         """The ids of the groups dropped since the last call."""
         out, self.dropped_groups = self.dropped_groups, []
         return out
 
-    def _pop_group(self) -> tuple[int, list[dict]] | None:
-        """The buffer's first group and its stream index if all its samples are there, dropping incomplete groups
-        before it; None while the rest of the first group has not arrived."""
+    def _pop_group(self) -> list[dict] | None:
+        """The buffer's first group if all its samples are there, dropping incomplete groups before it; None
+        while the rest of the first group has not arrived."""
         while self.buffer:
             group_id = self.buffer[0]["group_id"]
             size = 1
             while size < min(self.group_size, len(self.buffer)) and self.buffer[size]["group_id"] == group_id:
                 size += 1
             if size == self.group_size:
-                index = self.read
-                self.read += size
-                return index, [self.buffer.popleft() for _ in range(size)]
+                self.consumed += size
+                return [self.buffer.popleft() for _ in range(size)]
             if size == len(self.buffer):
                 return None  # the group's other samples are still on their way
             for _ in range(size):  # another group starts before this one is whole
                 self.buffer.popleft()
-            index, self.read = self.read, self.read + size
-            if group_id in self.skip_ids:  # dropped before a resume, behind a group that was still waiting
-                self.skip_ids.discard(group_id)
-                continue
-            self._record_taken(group_id, index)
             self.dropped_groups.append(group_id)
             self.consumed += size
             self.incomplete += size
@@ -356,7 +292,7 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
     if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights
         trainer.broadcast_weights(group, engine_urls)
     control = open_writer(cfg.streams, run_dir, "control", "trainer") if main else None
-    feed = SampleFeed(cfg, position, agree=main_process_value)
+    feed = SampleFeed(cfg, position.get("consumed_samples", 0))
     announce(control, {"kind": "version", "version": trainer.version, "consumed": feed.consumed})
     stale_dropped = position.get("stale_dropped", 0)
     started = time.monotonic() - position.get("elapsed_s", 0.0)
@@ -376,8 +312,8 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
         while trainer.version < cfg.trainer.max_steps:
             batch, dropped = feed.take_fresh(
                 cfg.trainer.samples_per_step, trainer.version, cfg.actor.max_lag,
-                on_dropped=lambda: announce(control, {"kind": "version", "version": trainer.version,
-                                                      "consumed": feed.consumed}),
+                on_dropped=lambda taken: announce(control, {"kind": "version", "version": trainer.version,
+                                                            "consumed": feed.consumed, "taking": taken}),
                 should_stop=lambda: stop.requested)
             stale_dropped += dropped
             waited = time.monotonic() - last
@@ -526,7 +462,8 @@ class HeldOutEval:
 
 
 def _position(feed: SampleFeed, stale_dropped: int, started: float) -> dict:
-    return {**feed.position(), "stale_dropped": stale_dropped, "elapsed_s": time.monotonic() - started}
+    return {"consumed_samples": feed.consumed, "stale_dropped": stale_dropped,
+            "elapsed_s": time.monotonic() - started}
 
 
 def nccl_failure_env(run_dir: str | os.PathLike, environ: Mapping[str, str]) -> dict[str, str]:

@@ -10,8 +10,7 @@ gloo group made for this alone: host memory and TCP, no GPU stream, no watchdog,
 
 `open_host_barrier` is called once by every trainer process right after the trainer's process group exists
 (`make_accelerator`), `host_barrier` wherever the processes must meet after work that is not shared evenly, and
-`close_host_barrier` before the process group is destroyed (`Trainer.close`). `main_process_value` hands the
-main process's word to the others over the same group (how many samples each step chooses from).
+`close_host_barrier` before the process group is destroyed (`Trainer.close`).
 """
 
 from __future__ import annotations
@@ -61,19 +60,6 @@ def host_barrier(after: str) -> None:
             f"trainer process {rank} waited {_timeout.total_seconds():g} s after {after} and {who} did not come "
             f"(trainer.main_process_timeout_s): it died or hangs, its lines in the trainer log say which; raise "
             f"trainer.main_process_timeout_s if {after} takes longer than that. ({detail})") from e
-
-
-def main_process_value(value: int) -> int:
-    """The main trainer process's `value`, on every process (a broadcast over the host barrier's group, so it may
-    wait as long as a host barrier); `value` itself for a single process."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    if _group is None:  # (a trainer built around an accelerator of the caller's: its own group)
-        dist.broadcast_object_list(box, src=0)
-    else:
-        dist.broadcast_object_list(box, src=0, group=_group)
-    return int(box[0])
 
 
 def close_host_barrier() -> None:
