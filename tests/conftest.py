@@ -1,6 +1,9 @@
 import contextlib
 import itertools
+import os
+import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -44,6 +47,28 @@ def running_engine(model_dir, log_dir: Path, extra=(), threads: int = 1):
         if client is not None:
             client.close()
         stop_process(proc)
+
+
+def run_cli(args: list[str], timeout_s: float = 120, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """`pipelinerl ARGS` in a new process, its output captured. Past `timeout_s` the test fails with the stacks of
+    every thread of the process (faulthandler, on SIGABRT) instead of a bare timeout: a command that should refuse
+    in seconds once hung for 120 s in a full `make test`, and never again alone."""
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipelinerl.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        dump = err[err.find("Fatal Python error"):]  # innermost frame first: the top says where it hung
+        pytest.fail(f"pipelinerl {' '.join(args)}: still running after {timeout_s:g} s; its threads:\n{dump[:6000]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0, poll_s: float = 0.01) -> None:

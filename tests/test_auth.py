@@ -3,12 +3,10 @@ hosts does not start without one; a run makes its own key, hands it to its proce
 
 import os
 import stat
-import subprocess
-import sys
 
 import httpx
 import pytest
-from conftest import running_engine
+from conftest import run_cli, running_engine
 
 from pipelinerl.auth import API_KEY_ENV, authorized, run_api_key
 from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
@@ -45,13 +43,12 @@ def test_routes_need_the_key_and_health_does_not(tiny_model_dir, tmp_path, monke
 
 def test_a_reachable_engine_without_a_key_refuses_to_start(tiny_model_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    cmd = [sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(tiny_model_dir), "--host", "0.0.0.0",
-           "--port", "0"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    cmd = ["serve", "--model", str(tiny_model_dir), "--host", "0.0.0.0", "--port", "0"]
+    r = run_cli(cmd, env=env)
     assert r.returncode != 0 and "refusing to serve on 0.0.0.0 without an API key" in r.stderr
     empty = tmp_path / "empty_key"
     empty.write_text("\n")
-    r = subprocess.run([*cmd, "--api-key-file", str(empty)], capture_output=True, text=True, timeout=120, env=env)
+    r = run_cli([*cmd, "--api-key-file", str(empty)], env=env)
     assert r.returncode != 0 and "is empty" in r.stderr
 
 

@@ -2,12 +2,10 @@
 others (pipelinerl/engines/embedded/cpus.py)."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import running_engine
+from conftest import run_cli, running_engine
 from test_engine import PROMPT, Trainer, receiver_pid
 
 from pipelinerl.engines.embedded.cpus import CpuListError, CpuSplit, parse_cpu_list
@@ -79,7 +77,6 @@ def test_engine_decodes_on_its_cpus_and_receives_on_the_others(tiny_model_dir, t
 
 
 def test_serve_refuses_a_bad_cpu_list_before_loading(tiny_model_dir):
-    proc = subprocess.run([sys.executable, "-m", "pipelinerl.cli", "serve", "--model", str(tiny_model_dir),
-                           "--port", "0", "--decode-cpus", "5-2"], capture_output=True, text=True, timeout=120)
+    proc = run_cli(["serve", "--model", str(tiny_model_dir), "--port", "0", "--decode-cpus", "5-2"])
     assert proc.returncode != 0
     assert "--decode-cpus '5-2'" in proc.stderr and "Traceback" not in proc.stderr
