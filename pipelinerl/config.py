@@ -213,6 +213,12 @@ class TrainerConfig:
     # baseline)
     overlong_filtering: bool = False
     entropy_coef: float = 0.0  # entropy bonus: the loss minus entropy_coef times the mean token entropy
+    # Samples whose advantage is 0 (a group whose answers all got the same reward, under grpo and the like) add
+    # nothing to the gradient: leave them out of the trainer's forward and backward passes. The update is the same
+    # (the loss's denominators still count them); the per-token stats (entropy, clip fractions, IS weights) then
+    # cover the samples passed through. Applies where nothing else needs those samples: a loss registered
+    # zero_without_advantage (all built-in ones), per-sample advantages (not gae), no KL term, no entropy bonus.
+    skip_zero_advantage: bool = True
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     # KL in the reward (REINFORCE++, OpenRLHF's use_kl_loss false): each sample's reward minus kl_coef times its

@@ -311,6 +311,63 @@ def test_micro_batching_accumulates_to_the_same_update(small_model_dir):
         assert_same_params(one, many, atol=1e-6)
 
 
+def batch_with_groups_without_spread():
+    """One group whose rewards differ and two whose answers all got the same reward (advantage 0 under grpo)."""
+    return [sample("mixed", [5, 6, 7], [10, 11], 1.0), sample("mixed", [5, 6, 7], [20, 21, 22], 0.0),
+            sample("same", [8, 9], [30], 0.5), sample("same", [8, 9], [40, 41], 0.5),
+            sample("wrong", [3], [12, 13, 14], 0.0), sample("wrong", [3], [15], 0.0)]
+
+
+def all_alike_batch():
+    """One group whose answers all got the same reward: no advantage anywhere."""
+    return [sample("all", [4], [7, 8], 1.0), sample("all", [4], [9], 1.0)]
+
+
+def skip_cfg(**kw):
+    return TrainerConfig(**{"lr": 1e-2, "samples_per_step": 6, "micro_batch_tokens": 6, "policy_loss": "ppo_clip",
+                            "aggregation": "token_mean", "advantage": "grpo", **kw})
+
+
+@pytest.mark.parametrize("loss,aggregation", [("ppo_clip", "token_sum_norm"), ("reinforce_is", "token_mean"),
+                                              ("gspo", "seq_mean"), ("decoupled_ppo", "token_sum_norm")])
+def test_samples_without_advantage_are_left_out_of_the_passes_for_the_same_update(small_model_dir, loss,
+                                                                                   aggregation):
+    """trainer.skip_zero_advantage: the 4 samples of the two groups without reward spread go through no forward
+    or backward pass, and the update is the one of the whole batch: the same gradients, and after a second step
+    on a batch with no advantage anywhere (zero gradients: AdamW's momentum still moves the weights), the same
+    weights."""
+    runs = {}
+    for skip in (True, False):
+        cfg = skip_cfg(policy_loss=loss, aggregation=aggregation, skip_zero_advantage=skip)
+        trainer = Trainer(str(small_model_dir), cfg, seed=3)
+        stats, grads = step_with_grads(trainer, batch_with_groups_without_spread())
+        grads = dict(grads)  # step_with_grads's hook stays in place and would fill it again on the next step
+        second, second_grads = step_with_grads(trainer, all_alike_batch())
+        runs[skip] = stats, grads, second, second_grads, params(trainer)
+    (skipped, grads, second, second_grads, weights), (full, full_grads, _, _, full_weights) = runs[True], runs[False]
+    assert skipped["samples_left_out"] == 4 and skipped["tokens_left_out"] == 1 + 2 + 3 + 1
+    assert full["samples_left_out"] == 0
+    assert skipped["micro_batches"] == 2 and full["micro_batches"] == 5  # at most 6 tokens a micro-batch
+    assert skipped["tokens"] == 5 and full["tokens"] == 12
+    assert skipped["loss"] == pytest.approx(full["loss"], rel=1e-5, abs=1e-7)
+    assert any(float(g.abs().max()) > 0 for g in grads.values())
+    for name, g in grads.items():
+        torch.testing.assert_close(g, full_grads[name], atol=1e-7, rtol=1e-5, msg=name)
+    # nothing to pass through: one zero-weight pass, the update still made (momentum), as without skipping
+    assert second["samples_left_out"] == 2 and second["micro_batches"] == 1 and second["tokens"] == 0
+    assert second["skipped"] == 0.0 and all(float(g.abs().max()) == 0 for g in second_grads.values())
+    assert_same_params(weights, full_weights, atol=1e-6)
+
+
+@pytest.mark.parametrize("setting", [{"entropy_coef": 0.01}, {"kl_coef": 0.1}, {"advantage": "gae"}])
+def test_samples_without_advantage_stay_where_another_term_needs_them(small_model_dir, setting):
+    """An entropy bonus, a KL term or a critic gives every sample a gradient: nothing is left out."""
+    trainer = Trainer(str(small_model_dir), skip_cfg(**setting))
+    assert not trainer.skips_zero_advantage
+    stats = trainer.optimizer_step(batch_with_groups_without_spread())
+    assert stats["samples_left_out"] == 0 and stats["micro_batches"] == 5
+
+
 def full_logits_expectation(trainer, batch, temperature):
     """The step's reinforce_is loss and mean entropy from the model's full [tokens, vocab] logits, one sample
     at a time: what the trainer computed before its LM head was chunked."""
@@ -384,7 +441,8 @@ def test_gradient_checkpointing_recomputes_layers_for_the_same_gradients(small_m
 DDP_WORKER = """
 import json, sys
 from pipelinerl.trainer import Trainer, load_checkpoint, save_checkpoint
-from test_trainer import ddp_batch, ddp_cfg, step_with_grads
+from test_trainer import (all_alike_batch, batch_with_groups_without_spread, ddp_batch, ddp_cfg, skip_cfg,
+                          step_with_grads)
 
 model_dir, out, ckpt = sys.argv[1:4]
 trainer = Trainer(model_dir, ddp_cfg())
@@ -393,9 +451,16 @@ if trainer.accelerator.is_main_process:  # as a bucketed broadcast does, on the 
 stats, grads = step_with_grads(trainer, ddp_batch())
 save_checkpoint(trainer, ckpt, {"rank_count": trainer.accelerator.num_processes})
 assert load_checkpoint(trainer, ckpt) == {"rank_count": 2}
+# samples without advantage left out: the ranks share the 2 packed ones, then a step with none, one pass each
+skipping = Trainer(model_dir, skip_cfg())
+skip_stats, skip_grads = step_with_grads(skipping, batch_with_groups_without_spread())
+skip_grads = {n: g.tolist() for n, g in skip_grads.items()}
+skip_second = skipping.optimizer_step(all_alike_batch())
 if trainer.accelerator.is_main_process:
     json.dump({"stats": stats, "grads": {n: g.tolist() for n, g in grads.items()},
-               "params": {n: t.tolist() for n, t in trainer.full_parameters()}}, open(out, "w"))
+               "params": {n: t.tolist() for n, t in trainer.full_parameters()},
+               "skip": {"stats": [skip_stats, skip_second], "grads": skip_grads,
+                        "params": {n: t.tolist() for n, t in skipping.full_parameters()}}}, open(out, "w"))
 """
 
 
@@ -449,6 +514,20 @@ def test_two_data_parallel_ranks_match_one_process(small_model_dir, tmp_path):
         assert multi["stats"][key] == pytest.approx(stats[key], rel=1e-5, abs=1e-7), key
     for name, g in grads.items():
         torch.testing.assert_close(torch.tensor(multi["grads"][name]), g, atol=1e-7, rtol=1e-5, msg=name)
+
+    # leaving samples without advantage out on two ranks: the update of one process passing every sample through
+    full = Trainer(str(small_model_dir), skip_cfg(skip_zero_advantage=False))
+    full_stats, full_grads = step_with_grads(full, batch_with_groups_without_spread())
+    full_grads = dict(full_grads)  # the hook would fill it again on the next step
+    full.optimizer_step(all_alike_batch())
+    first, second = multi["skip"]["stats"]
+    assert first["samples_left_out"] == 4 and first["micro_batches"] == 1  # each rank one of the 2 packed samples
+    assert second["samples_left_out"] == 2 and second["micro_batches"] == 1 and second["skipped"] == 0
+    assert first["loss"] == pytest.approx(full_stats["loss"], rel=1e-5, abs=1e-7)
+    for name, g in full_grads.items():
+        torch.testing.assert_close(torch.tensor(multi["skip"]["grads"][name]), g, atol=1e-7, rtol=1e-5, msg=name)
+    for name, t in full.full_parameters():
+        torch.testing.assert_close(torch.tensor(multi["skip"]["params"][name]), t, atol=1e-6, rtol=0, msg=name)
 
 
 def test_kl_penalty_and_reference_reset(small_model_dir):

@@ -41,7 +41,7 @@ def supervised_warmup(model: torch.nn.Module, tokenizer, examples: list[tuple[st
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
         if on_step is not None:
             on_step(step, losses[-1])

@@ -339,13 +339,13 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 # --- the registered policy losses (trainer.policy_loss), one call signature for all: see pipelinerl/rl/registry.py
 
 
-@register_policy_loss("reinforce_is")
+@register_policy_loss("reinforce_is", zero_without_advantage=True)
 def _reinforce_is(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """PipelineRL's default: :func:`reinforce_is_loss` with ``trainer.is_cap``."""
     return reinforce_is_loss(logprobs, inputs.behav_logprobs, inputs.advantages, inputs.mask, cfg.is_cap)
 
 
-@register_policy_loss("ppo_clip")
+@register_policy_loss("ppo_clip", zero_without_advantage=True)
 def _ppo_clip(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`ppo_clip_loss` around the behaviour policy (the engine's log-probs): the ratio both corrects and
     bounds the staleness of in-flight samples ("coupled" PPO, AReaL's baseline), and with
@@ -354,7 +354,7 @@ def _ppo_clip(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple
                          cfg.clip_high, cfg.clip_ratio_c)
 
 
-@register_policy_loss("decoupled_ppo", needs_proximal=True)
+@register_policy_loss("decoupled_ppo", needs_proximal=True, zero_without_advantage=True)
 def _decoupled_ppo(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`decoupled_ppo_loss` with ``trainer.behav_imp_weight_cap`` and ``importance_sampling_level``."""
     return decoupled_ppo_loss(logprobs, inputs.prox_logprobs, inputs.behav_logprobs, inputs.advantages, inputs.mask,
@@ -362,7 +362,7 @@ def _decoupled_ppo(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> 
                               inputs.seq_ids, cfg.importance_sampling_level)
 
 
-@register_policy_loss("gspo", clip=(3e-4, 4e-4), aggregation="seq_mean")
+@register_policy_loss("gspo", clip=(3e-4, 4e-4), aggregation="seq_mean", zero_without_advantage=True)
 def _gspo(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`gspo_loss` around the behaviour policy, with GSPO's own clip range and sequence-mean aggregation
     unless the config sets them."""

@@ -74,6 +74,10 @@ class PolicyLossSpec:
     needs_proximal: bool = False  # ratios against the policy before the first update of the batch (AReaL)
     clip: tuple[float, float] = (0.2, 0.28)  # default (trainer.clip_low, trainer.clip_high)
     aggregation: str = "token_sum_norm"  # default trainer.aggregation
+    # The loss and its gradient are 0 on every token whose advantage is 0, so the trainer may leave a sample with
+    # advantage 0 out of its forward and backward passes (trainer.skip_zero_advantage). False for a loss of your
+    # own unless it says so: a term that does not scale with the advantage would be silently dropped.
+    zero_without_advantage: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,7 @@ _ADVANTAGES: dict[str, AdvantageSpec] = {}
 
 
 def register_policy_loss(name: str, *, needs_proximal: bool = False, clip: tuple[float, float] = (0.2, 0.28),
-                         aggregation: str = "token_sum_norm") -> Callable:
+                         aggregation: str = "token_sum_norm", zero_without_advantage: bool = False) -> Callable:
     """Decorator: make ``fn`` the policy loss ``trainer.policy_loss: name``."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"policy loss {name!r}: aggregation must be one of {', '.join(AGGREGATIONS)}")
@@ -96,7 +100,7 @@ def register_policy_loss(name: str, *, needs_proximal: bool = False, clip: tuple
     def add(fn: Callable) -> Callable:
         if name in _POLICY_LOSSES and _POLICY_LOSSES[name].fn is not fn:
             raise ValueError(f"a policy loss named {name!r} is already registered ({_POLICY_LOSSES[name].fn})")
-        spec = PolicyLossSpec(name, fn, needs_proximal, tuple(clip), aggregation)
+        spec = PolicyLossSpec(name, fn, needs_proximal, tuple(clip), aggregation, zero_without_advantage)
         _POLICY_LOSSES[name] = spec
         fn.policy_loss_spec = spec
         return fn

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +69,8 @@ class StepBatch:
     minibatches: list[Minibatch]
     advantages: Tensor | None = None  # [N], once computed (per-token estimators: each sample's token mean)
     filtered: int = 0  # samples left out of the loss by overlong filtering
+    left_out: int = 0  # samples left out of the forward and backward passes (no gradient to give; `build_step`)
+    left_out_tokens: int = 0  # their trained tokens
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -222,20 +224,34 @@ def minibatch_slices(num_samples: int, minibatches: int) -> list[range]:
 
 def build_step(batch: Sequence[Sample | Mapping[str, Any]], micro_batch_tokens: int, rank: int = 0,
                world_size: int = 1, device: torch.device | str | None = None, minibatches: int = 1,
-               overlong_filtering: bool = False) -> StepBatch:
+               overlong_filtering: bool = False, leave_out: Callable[[StepBatch], Tensor] | None = None
+               ) -> StepBatch:
     """Validate the batch, split it into minibatches and pack this rank's share of each. Advantages come later
-    (`sample_advantages`, `set_sample_advantages`): some estimators need the no-grad passes first."""
+    (`sample_advantages`, `set_sample_advantages`): some estimators need the no-grad passes first.
+
+    `leave_out(step)` ([N] bool, the same on every rank) names samples that add nothing to the gradient: they are
+    not packed, but the minibatches' denominators (`num_samples`, `num_tokens`) still count them, so the loss of
+    what is packed is the loss of the whole batch. A minibatch left with nothing to pack gets one zero-weight
+    micro-batch on every rank, so that its optimizer update still runs (on zero gradients, as it would have)."""
     samples = to_samples(batch)
     validate_samples(samples, micro_batch_tokens)
     dropped = [overlong_filtering and s.finish_reason == TRUNCATED for s in samples]
     trained = torch.tensor([0.0 if d else float(s.trained_tokens) for s, d in zip(samples, dropped)])
-    parts = []
-    for part in minibatch_slices(len(samples), minibatches):
-        mine = list(part)[rank::world_size]
-        mbs = pack_samples(samples, mine, micro_batch_tokens, device, overlong_filtering) if mine else []
-        parts.append(Minibatch(mbs, num_samples=len(part), num_tokens=int(trained[part.start:part.stop].sum())))
-    return StepBatch(samples=samples, group_ids=dense_group_ids(samples), trained_tokens=trained, minibatches=parts,
+    step = StepBatch(samples=samples, group_ids=dense_group_ids(samples), trained_tokens=trained, minibatches=[],
                      filtered=sum(dropped))
+    left_out = leave_out(step).tolist() if leave_out is not None else [False] * len(samples)
+    for part in minibatch_slices(len(samples), minibatches):
+        # ranks share the samples that are packed, so that a left-out group does not leave one rank idle
+        kept = [i for i in part if not left_out[i]]
+        mine = kept[rank::world_size]
+        mbs = pack_samples(samples, mine, micro_batch_tokens, device, overlong_filtering) if mine else []
+        if not kept:
+            mbs = pad_micro_batches([], 1, filler_micro_batch(step, micro_batch_tokens, device))
+        step.minibatches.append(Minibatch(mbs, num_samples=len(part),
+                                          num_tokens=int(trained[part.start:part.stop].sum())))
+    step.left_out = sum(left_out)
+    step.left_out_tokens = int(sum(t for t, out in zip(trained.tolist(), left_out) if out))
+    return step
 
 
 def filler_micro_batch(step: StepBatch, micro_batch_tokens: int, device: torch.device | str | None) -> MicroBatch:

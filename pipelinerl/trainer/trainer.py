@@ -168,6 +168,10 @@ class Trainer:
         # so accelerate's checkpoints list the policy first, as older checkpoints have it
         self.critic = (Critic(self.model_path, self.cfg, self.accelerator, self.attn_implementation)
                        if self.adv_spec.token_level else None)
+        # samples with advantage 0 left out of the passes where nothing but the policy loss would see them
+        self.skips_zero_advantage = (c.skip_zero_advantage and self.loss_spec.zero_without_advantage
+                                     and not self.adv_spec.token_level and self.ref_model is None
+                                     and c.entropy_coef == 0)
         self._version = 0
         self.step = 0  # optimizer_step calls, skipped ones included
 
@@ -291,7 +295,8 @@ class Trainer:
         start = time.perf_counter()
         cfg, acc = self.cfg, self.accelerator
         step = build_step(batch, cfg.micro_batch_tokens, acc.process_index, acc.num_processes, acc.device,
-                          cfg.ppo_minibatches, cfg.overlong_filtering)
+                          cfg.ppo_minibatches, cfg.overlong_filtering,
+                          leave_out=self._no_gradient if self.skips_zero_advantage else None)
         minibatches = [self._same_count_on_all_ranks(step, m.micro_batches) for m in step.minibatches]
         every_mb = [mb for mbs in minibatches for mb in mbs]
         lags = [s.lag(self.version) for s in step.samples]
@@ -354,6 +359,10 @@ class Trainer:
                      clip_frac_later_minibatches=self._later_clip_frac(totals, float(first_clip), step),
                      **critic_stats)
         return stats
+
+    def _no_gradient(self, step: StepBatch) -> Tensor:
+        """[N] bool: the samples whose every token has loss and gradient 0 (advantage 0, or no token trained on)."""
+        return (sample_advantages(step, self.cfg) == 0) | (step.trained_tokens == 0)
 
     def _later_clip_frac(self, totals: dict[str, float], first: float, step: StepBatch) -> float:
         """Clipped fraction of the tokens of the minibatches after the first (0 with one minibatch)."""
@@ -555,6 +564,9 @@ class Trainer:
             "tokens": t["tokens"],
             "samples": float(step.num_samples),
             "overlong_filtered": float(step.filtered),
+            # left out of the forward and backward passes (trainer.skip_zero_advantage): they add no gradient
+            "samples_left_out": float(step.left_out),
+            "tokens_left_out": float(step.left_out_tokens),
             "micro_batches": float(micro_batches),
             "lr": lr,
             "step_s": seconds,
