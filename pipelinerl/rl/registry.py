@@ -14,8 +14,10 @@ name a function that is not part of this package (decorated or not)::
         loss = -(ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * inputs.advantages)
         return loss.where(inputs.mask, 0.0), {}
 
-and ``trainer.policy_loss: my_package.my_module:my_loss`` in the recipe. Hyper-parameters of your own go in
-``trainer.policy_loss_args`` (a mapping, passed as ``cfg.policy_loss_args``).
+and ``trainer.policy_loss: my_package.my_module:my_loss`` in the recipe. If your loss and its gradient are 0 on
+every token whose advantage is 0, register it with ``zero_without_advantage=True``: the trainer then leaves such
+samples out of its passes (``trainer.skip_zero_advantage``), as it does for the built-in losses.
+Hyper-parameters of your own go in ``trainer.policy_loss_args`` (a mapping, passed as ``cfg.policy_loss_args``).
 
 The calls:
 
