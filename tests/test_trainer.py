@@ -341,7 +341,6 @@ def test_samples_without_advantage_are_left_out_of_the_passes_for_the_same_updat
         cfg = skip_cfg(policy_loss=loss, aggregation=aggregation, skip_zero_advantage=skip)
         trainer = Trainer(str(small_model_dir), cfg, seed=3)
         stats, grads = step_with_grads(trainer, batch_with_groups_without_spread())
-        grads = dict(grads)  # step_with_grads's hook stays in place and would fill it again on the next step
         second, second_grads = step_with_grads(trainer, all_alike_batch())
         runs[skip] = stats, grads, second, second_grads, params(trainer)
     (skipped, grads, second, second_grads, weights), (full, full_grads, _, _, full_weights) = runs[True], runs[False]
@@ -477,6 +476,7 @@ def ddp_batch():
 
 
 def step_with_grads(trainer, batch):
+    """One optimizer step, and the gradients its optimizer update saw."""
     grads = {}
     step = trainer.optimizer.step
 
@@ -485,7 +485,10 @@ def step_with_grads(trainer, batch):
         return step(*args, **kwargs)
 
     trainer.optimizer.step = capture
-    return trainer.optimizer_step(batch), grads
+    try:
+        return trainer.optimizer_step(batch), grads
+    finally:  # a later step must not write into this step's gradients
+        trainer.optimizer.step = step
 
 
 @pytest.mark.slow
@@ -518,7 +521,6 @@ def test_two_data_parallel_ranks_match_one_process(small_model_dir, tmp_path):
     # leaving samples without advantage out on two ranks: the update of one process passing every sample through
     full = Trainer(str(small_model_dir), skip_cfg(skip_zero_advantage=False))
     full_stats, full_grads = step_with_grads(full, batch_with_groups_without_spread())
-    full_grads = dict(full_grads)  # the hook would fill it again on the next step
     full.optimizer_step(all_alike_batch())
     first, second = multi["skip"]["stats"]
     assert first["samples_left_out"] == 4 and first["micro_batches"] == 1  # each rank one of the 2 packed samples
