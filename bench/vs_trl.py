@@ -540,7 +540,8 @@ def probe_trl_threads(recipe: Path, base: Path, lr: float, work: Path, candidate
 def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, steps: int | None = None,
                      eval_every: int | None = None, target_fraction: float = 0.9, trl_threads: int | None = None,
                      extra: Sequence[str] = (), reuse: bool = False, budget_s: float | None = None,
-                     out_dir: Path = RESULTS_DIR, pipelinerl_extra: Sequence[str] = ()) -> dict:
+                     out_dir: Path = RESULTS_DIR, pipelinerl_extra: Sequence[str] = (),
+                     seed: int | None = None) -> dict:
     """Both sides' learning-rate grids on one recipe, interleaved (pipelinerl, TRL, pipelinerl, ...) so that drift
     in the machine's load hits both alike; writes vs_trl_<workload>.json and .png into `out_dir`.
 
@@ -553,7 +554,9 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
     this grid, none before the first), so that a run which stalls cannot hold the grid up for hours.
     `pipelinerl_extra`: overrides for pipelinerl's runs only, its own algorithm's options (such as
     actor.dynamic_sampling=true): the base model and TRL's runs stay those of the grid without them, so TRL's runs
-    can be reused; pipelinerl's runs and the results get names of their own."""
+    can be reused; pipelinerl's runs and the results get names of their own. `seed`: both sides' runs with this
+    seed instead of the recipe's (a repeat of the grid), from the same base model, built with the recipe's seed;
+    the runs and the results get names of their own."""
     from pipelinerl.config import load_config
 
     recipe = Path(recipe).resolve()
@@ -569,6 +572,9 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
     length = "" if steps == cfg.trainer.max_steps else f"-{steps}steps"
     pipelinerl_extra = list(pipelinerl_extra)
     own = f"-p{hashlib.sha1(' '.join(pipelinerl_extra).encode()).hexdigest()[:8]}" if pipelinerl_extra else ""
+    # a repeat with another seed: the runs' seed changes, the base model's stays the recipe's (model.seed)
+    repeat = [] if seed is None or seed == cfg.seed else [f"seed={seed}", f"model.seed={cfg.seed}"]
+    length += f"-seed{seed}" if repeat else ""
     label = work.name + length + own
     t_base = time.perf_counter()
     # without overrides, the base model other benchmarks of this recipe use (bench/common.cached_base_model): the
@@ -618,7 +624,7 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
             run_dir = work / f"{side}-lr{lr:g}{length}{own if side == 'pipelinerl' else ''}"
             result_file = run_dir.with_name(run_dir.name + ".result.json")
             settings = {**same, **({"trl_threads": threads} if side == "trl" else {})}
-            overrides = [*extra, *common_overrides(base, lr, steps, eval_every)]
+            overrides = [*extra, *repeat, *common_overrides(base, lr, steps, eval_every)]
             if side == "pipelinerl" and pipelinerl_extra:
                 settings["pipelinerl_extra"] = pipelinerl_extra
                 overrides += pipelinerl_extra
@@ -648,7 +654,7 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
                   flush=True)
     result = summarise_workload(label, recipe, cfg, runs, params, threads, steps, eval_every, target_fraction)
     result["settings"].update(trl_threads_probe_s_per_step=threads_probe, recipe_overrides=extra,
-                              pipelinerl_overrides=pipelinerl_extra)
+                              pipelinerl_overrides=pipelinerl_extra, seed=cfg.seed if seed is None else seed)
     result["base_model"] = {"path": str(base), "parameters": params, "seconds_to_prepare": round(base_seconds, 1)}
     out_dir.mkdir(parents=True, exist_ok=True)
     result["png"] = str(plot_workload(label, runs, result, out_dir / f"vs_trl_{label}.png"))
@@ -839,6 +845,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set-pipelinerl", action="append", default=[], metavar="KEY=VALUE",
                         help="a recipe override for pipelinerl's runs only (repeatable), e.g. "
                              "actor.dynamic_sampling=true; TRL's runs and the base model stay as without it")
+    parser.add_argument("--seed", type=int, default=None, help="both sides' runs with this seed (default: the "
+                        "recipe's): a repeat from the same base model, its runs and results named apart")
     parser.add_argument("--reuse", action="store_true", help="take each run's result from an earlier invocation "
                         "with the same settings where one is saved (runs/vs_trl/<recipe>/*.result.json)")
     parser.add_argument("--run-budget-s", type=float, default=None, help="stop a run after this many seconds "
@@ -867,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
                 lrs = {args.only: lrs[args.only]}
             result = compare_workload(recipe, lrs, args.steps, args.eval_every, args.target_fraction,
                                       args.trl_threads, args.set, args.reuse, args.run_budget_s,
-                                      pipelinerl_extra=args.set_pipelinerl)
+                                      pipelinerl_extra=args.set_pipelinerl, seed=args.seed)
             results[result["workload"]] = result
         out = combine(results)
     for name, r in out["workloads"].items():

@@ -54,6 +54,9 @@ class ModelConfig:
     warmup_steps: int = 0
     warmup_lr: float = 3e-3
     warmup_batch_size: int = 64
+    # the seed the tiny model is built and warmed up with; null: the run's `seed`. Set it to rerun RL with another
+    # seed from the same cached base model (a changed seed would otherwise build and warm up a new one)
+    seed: Optional[int] = None  # noqa: UP045 (omegaconf needs Optional)
 
     def __post_init__(self) -> None:
         _check_choice(self.dtype, DTYPES, "model.dtype")

@@ -53,7 +53,8 @@ def prepare_model(cfg: RunConfig) -> Path:
     if cfg.model.init != "tiny":
         return path
     m, t = cfg.model, cfg.task
-    settings = {"seed": cfg.seed, "hidden": m.tiny_hidden_size, "layers": m.tiny_layers,
+    seed = cfg.seed if m.seed is None else m.seed
+    settings = {"seed": seed, "hidden": m.tiny_hidden_size, "layers": m.tiny_layers,
                 "warmup_steps": m.warmup_steps, "warmup_lr": m.warmup_lr, "warmup_batch_size": m.warmup_batch_size,
                 "task": {"name": t.name, "digits": t.digits, "ops": t.ops, "num_train": t.num_train,
                          "seed": t.seed, "reverse": t.reverse}}
@@ -74,7 +75,7 @@ def prepare_model(cfg: RunConfig) -> Path:
     from pipelinerl.models.warmup import supervised_warmup
     from pipelinerl.tasks import task_from_config
 
-    print(f"building a tiny model in {path} (seed {cfg.seed})")
+    print(f"building a tiny model in {path} (seed {seed})")
     torch.set_num_threads(max(1, cfg.engine.threads + cfg.trainer.threads))
     task = task_from_config(t)
     target = getattr(task, "target", None)  # the warm-up's supervised answers, where the task has them
@@ -84,7 +85,7 @@ def prepare_model(cfg: RunConfig) -> Path:
 
         texts = [task.prompt(p) + (target(p) if target and m.warmup_steps else "") for p in task.train_problems()]
         tokenizer = build_bpe_tokenizer(texts, m.tiny_vocab_size)
-    build_tiny_model(path, hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers, seed=cfg.seed,
+    build_tiny_model(path, hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers, seed=seed,
                      max_positions=max(1024, cfg.engine.max_model_len), tokenizer=tokenizer)
     if m.warmup_steps > 0:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -92,7 +93,7 @@ def prepare_model(cfg: RunConfig) -> Path:
         if target is None:
             raise ConfigError(f"model.warmup_steps: task {t.name!r} has no supervised targets; set it to 0")
         examples = [(task.prompt(p), target(p)) for p in task.train_problems()]
-        supervised_warmup(model, tokenizer, examples, m.warmup_steps, m.warmup_batch_size, m.warmup_lr, cfg.seed)
+        supervised_warmup(model, tokenizer, examples, m.warmup_steps, m.warmup_batch_size, m.warmup_lr, seed)
         model.save_pretrained(path)
     marker.write_text(json.dumps(settings))
     return path

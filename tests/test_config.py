@@ -100,3 +100,24 @@ def test_an_unset_bucket_size_is_the_engines_format(tmp_path):
     assert load_config(recipe, ["engine.kind=vllm"]).weight_sync.bucket_mb == 4.0
     assert load_config(recipe, SGLANG + ["weight_sync.bucket_mb=0"]).weight_sync.bucket_mb == 0
     assert load_config(recipe, ["weight_sync.bucket_mb=16"]).weight_sync.bucket_mb == 16
+
+
+def test_model_seed_keeps_the_cached_base_model_for_a_run_with_another_seed(tmp_path):
+    from safetensors.torch import load_file
+
+    from pipelinerl.launch import prepare_model
+
+    base = tmp_path / "base_model"
+    settings = [f"run_dir={tmp_path}", f"model.path={base}", "model.warmup_steps=0", "model.tiny_hidden_size=32"]
+    prepare_model(load_config(RECIPES / "tiny_cpu.yaml", [*settings, "seed=0"]))
+    weights = load_file(base / "model.safetensors")
+
+    # another run seed with model.seed naming the base model's: the cache is used as it is
+    prepare_model(load_config(RECIPES / "tiny_cpu.yaml", [*settings, "seed=1", "model.seed=0"]))
+    kept = load_file(base / "model.safetensors")
+    assert all(kept[k].equal(weights[k]) for k in weights)
+
+    # another run seed alone: a base model of its own seed (different random weights)
+    prepare_model(load_config(RECIPES / "tiny_cpu.yaml", [*settings, "seed=1"]))
+    rebuilt = load_file(base / "model.safetensors")
+    assert any(not rebuilt[k].equal(weights[k]) for k in weights)
