@@ -94,3 +94,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     shared = sorted(nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1)
     if shared:
         raise pytest.UsageError(f"tests share node ids, so pytest-xdist would run only one of each: {shared[:5]}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With TEST_TIMELINE=<file>, append one line per test: start and end (wall clock, s), worker, node id. It
+    shows where the workers of `make test` wait on each other (the test suite's section in docs/benchmarks.md)."""
+    path = os.environ.get("TEST_TIMELINE")
+    start = time.time()
+    try:
+        return (yield)
+    finally:
+        if path:
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            with open(path, "a") as f:
+                f.write(f"{start:.1f} {time.time():.1f} {worker} {item.nodeid}\n")
