@@ -30,7 +30,10 @@ own ratio: `vs_hf` = engine / hf, `vs_vllm` = engine_http / vllm (decode). Why t
 row carries the share of the engine's decode step spent in the linear layers' matmul kernels (`decode_profile`;
 HF's `generate` runs the same kernels, so where that share is high only faster kernels or fewer bytes can widen the
 gap) and, at batch 1, the memory roofline: one thread's measured read bandwidth over the float32 weights' bytes,
-the most tokens/s any engine reading every weight once per token could decode (`add_roofline`). Targets (issue
+the most tokens/s any engine reading every weight once per token could decode (`add_roofline`), and at every
+batch the compute roofline: one thread's measured float32 matmul FLOP/s (the best large square product) over the
+2 x parameters FLOPs a token's linear layers take, the most tokens/s any engine doing those multiply-adds in
+float32 could decode (`add_compute_roofline`). Targets (issue
 21): vs_hf >= 2 and vs_vllm >= 1 in every cell; `ratio` (the headline) is the smallest vs_hf, `passed` needs both
 targets everywhere.
 """
@@ -78,6 +81,7 @@ def run(quick: bool = False) -> dict:
     torch.set_num_threads(THREADS)
     vllm_reason = "not run with --quick" if quick else _vllm_missing()
     bandwidth = read_bandwidth()
+    peak = matmul_peak()
     sizes = ["20m"] if quick else list(SIZES)
     rows: list[dict] = []
     started = time.perf_counter()
@@ -90,6 +94,7 @@ def run(quick: bool = False) -> dict:
     for r in rows:
         if r["batch"] == 1:
             add_roofline(r, bandwidth)
+        add_compute_roofline(r, peak)
     vs_hf = [r["vs_hf"] for r in rows]
     vs_vllm = [r["vs_vllm"] for r in rows if "vs_vllm" in r]
     ratio = min(vs_hf)
@@ -112,6 +117,7 @@ def run(quick: bool = False) -> dict:
                      "statistic": "decode tokens/s = B x (N - 1) / (T(N) - median T(1)); ratios: median over "
                                   "interleaved rounds of each round's ratio"},
         "read_gb_per_s": round(bandwidth / 1e9, 2),
+        "matmul_gflop_per_s": round(peak / 1e9, 1),
         "seconds": round(time.perf_counter() - started, 1),
         "machine": machine(),
     }
@@ -301,6 +307,33 @@ def read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
+def matmul_peak(sizes: Sequence[int] = (1024, 2048), repeats: int = 3) -> float:
+    """FLOP/s of one thread's float32 matmul at its best: the fastest of `repeats` square products of each size
+    (large enough that the kernel, not memory or dispatch, sets the time). A decode step's linear layers do 2 x
+    parameters FLOPs per token, so this over that bounds tokens/s at any batch, on any side, in float32."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def add_compute_roofline(row: dict, flops: float) -> None:
+    """A row's compute roofline: tokens/s if a token cost only its linear layers' 2 x parameters multiply-adds
+    (attention's left out, so a bound; the embedding is tied, so it is the LM head's product) at one thread's best
+    float32 matmul speed, and each side's fraction of it. `vs_hf_ceiling` becomes the most any engine could be over
+    HF under this roofline and the memory one (batch 1), whichever is lower."""
+    roofline = flops / (2 * row["params"])
+    row["compute_roofline_tokens_per_s"] = round(roofline, 2)
+    row["compute_roofline_fraction"] = {side: round(tps / roofline, 3) for side, tps in row["tokens_per_s"].items()}
+    ceiling = roofline / row["tokens_per_s"]["hf"]
+    row["vs_hf_ceiling"] = round(min(ceiling, row.get("vs_hf_ceiling", ceiling)), 2)
+
+
 def add_roofline(row: dict, bandwidth: float) -> None:
     """A batch-1 row's memory roofline: tokens/s if every weight (float32) were read once per token at the measured
     bandwidth (the KV cache and activations left out, so a bound), and each side's fraction of it. `vs_hf_ceiling`
@@ -318,17 +351,19 @@ def table(rows: list[dict]) -> str:
     sides = ("engine", "hf", "engine_http", "vllm")
     lines = ["| model | batch | new tokens | " + " | ".join(sides)
              + " | engine / HF | engine_http / vLLM | engine's step in matmuls | memory roofline (batch 1) "
-             "| most any engine could do over HF |",
-             "| --- | ---: | ---: | " + " | ".join("---:" for _ in sides) + " | ---: | ---: | ---: | ---: | ---: |"]
+             "| compute roofline | most any engine could do over HF |",
+             "| --- | ---: | ---: | " + " | ".join("---:" for _ in sides) + " | ---:" * 6 + " |"]
     for r in rows:
         tps = [f"{r['tokens_per_s'][s]:.1f}" if s in r["tokens_per_s"] else "-" for s in sides]
         vllm = f"{r['vs_vllm']:.2f}x" if "vs_vllm" in r else "-"
         roof = f"{r['roofline_tokens_per_s']:.1f}" if "roofline_tokens_per_s" in r else "-"
+        compute = f"{r['compute_roofline_tokens_per_s']:.1f}" if "compute_roofline_tokens_per_s" in r else "-"
         ceiling = f"{r['vs_hf_ceiling']:.2f}x" if "vs_hf_ceiling" in r else "-"
         profile = r.get("engine_decode_profile")
         matmuls = f"{profile['linear_share']:.0%}" if profile else "-"
         lines.append(f"| {r['size']} ({r['params'] / 1e6:.1f}M) | {r['batch']} | {r['new_tokens']} | "
-                     + " | ".join(tps) + f" | {r['vs_hf']:.2f}x | {vllm} | {matmuls} | {roof} | {ceiling} |")
+                     + " | ".join(tps)
+                     + f" | {r['vs_hf']:.2f}x | {vllm} | {matmuls} | {roof} | {compute} | {ceiling} |")
     return "\n".join(lines)
 
 
