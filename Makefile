@@ -11,7 +11,8 @@ EXTRAS ?= dev$(if $(HAS_GPU),$(comma)gpu)
 comma := ,
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# test files run on this many pytest-xdist workers, a file's tests on one worker (its module fixtures once)
+# test files run on this many pytest-xdist workers, a file's tests on one worker (its module fixtures once), in the
+# order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
 # `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
@@ -96,7 +97,7 @@ compare-trl: $(STAMP)
 	$(BIN)/python -m bench.vs_trl $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

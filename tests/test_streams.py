@@ -71,14 +71,11 @@ def _write_from_child(stream, n):
 def test_records_cross_processes(tmp_path):
     p = mp.get_context("spawn").Process(target=_write_from_child, args=(str(tmp_path), 50))
     p.start()
-    reader = StreamReader(tmp_path)
-    got = []
-    for record in reader.follow(timeout_s=30):
-        got.append(record["i"])
-        if len(got) == 50:
-            break
+    from conftest import records_from_child  # here, not at the top: the spawned child imports this module
+
+    got = [r["i"] for r in records_from_child(StreamReader(tmp_path), p, 50)]
     p.join()
-    assert got == list(range(50))
+    assert p.exitcode == 0 and got == list(range(50))
 
 
 def test_the_default_backend_is_files_under_the_run_dir(tmp_path):

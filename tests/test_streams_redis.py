@@ -103,7 +103,7 @@ def test_concurrent_writers_never_interleave_a_batch(cfg, tmp_path):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join()  # no timeout of its own: spawned children start slowly under load (pytest's timeout stops a hang)
         assert p.exitcode == 0
     records = open_reader(cfg, tmp_path, "samples").read()
     assert len(records) == 3 * 30 * 8
@@ -153,13 +153,11 @@ def _write_from_child(url, run_dir, n):
 def test_records_cross_processes(cfg, tmp_path):
     p = mp.get_context("spawn").Process(target=_write_from_child, args=(cfg.redis_url, str(tmp_path), 50))
     p.start()
-    got = []
-    for record in open_reader(cfg, tmp_path, "samples").follow(timeout_s=30):
-        got.append(record["i"])
-        if len(got) == 50:
-            break
+    from conftest import records_from_child  # here, not at the top: the spawned child imports this module
+
+    got = [r["i"] for r in records_from_child(open_reader(cfg, tmp_path, "samples"), p, 50)]
     p.join()
-    assert got == list(range(50))
+    assert p.exitcode == 0 and got == list(range(50))
 
 
 def test_runs_on_one_redis_do_not_mix(cfg, tmp_path):
