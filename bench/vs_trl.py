@@ -567,15 +567,15 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
     eval_every = eval_every or max(1, steps // 20)
     lrs = lrs or {side: lr_grid(cfg.trainer.lr) for side in SIDES}
     work = WORK_DIR / (name if not extra else f"{name}-{hashlib.sha1(' '.join(extra).encode()).hexdigest()[:8]}")
-    # runs of another length than the recipe's (--quick, --steps) are their own workload's: their files never
-    # replace those of the recipe's own length
-    length = "" if steps == cfg.trainer.max_steps else f"-{steps}steps"
+    # runs of another length than the recipe's (--quick, --steps) or another seed (--seed) are their own workload's:
+    # their files never replace those of the recipe's own
+    variant = "" if steps == cfg.trainer.max_steps else f"-{steps}steps"
     pipelinerl_extra = list(pipelinerl_extra)
     own = f"-p{hashlib.sha1(' '.join(pipelinerl_extra).encode()).hexdigest()[:8]}" if pipelinerl_extra else ""
     # a repeat with another seed: the runs' seed changes, the base model's stays the recipe's (model.seed)
     repeat = [] if seed is None or seed == cfg.seed else [f"seed={seed}", f"model.seed={cfg.seed}"]
-    length += f"-seed{seed}" if repeat else ""
-    label = work.name + length + own
+    variant += f"-seed{seed}" if repeat else ""
+    label = work.name + variant + own
     t_base = time.perf_counter()
     # without overrides, the base model other benchmarks of this recipe use (bench/common.cached_base_model): the
     # heavier recipe's warm-up takes long enough to run once per machine
@@ -621,7 +621,7 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
             if i >= len(lrs.get(side, [])):
                 continue
             lr = lrs[side][i]
-            run_dir = work / f"{side}-lr{lr:g}{length}{own if side == 'pipelinerl' else ''}"
+            run_dir = work / f"{side}-lr{lr:g}{variant}{own if side == 'pipelinerl' else ''}"
             result_file = run_dir.with_name(run_dir.name + ".result.json")
             settings = {**same, **({"trl_threads": threads} if side == "trl" else {})}
             overrides = [*extra, *repeat, *common_overrides(base, lr, steps, eval_every)]
