@@ -1,0 +1,50 @@
+"""The arithmetic of bench/pipeline_vs_sync.py's throughput benchmark, on metrics rows written by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.pipeline_vs_sync import summarize
+
+
+def rows(waits: list[float], steps: list[float], left_out: list[float], samples: int = 32) -> list[dict]:
+    """The trainer's metrics rows of a run whose step i waited waits[i] for its batch, then trained steps[i]
+    seconds (broadcast included, as 0.1 s of it), plus one held-out evaluation row, which is not a step."""
+    out, now = [{"step": 0, "eval_accuracy": 0.5}], 0.0
+    for i, (wait, step, skipped) in enumerate(zip(waits, steps, left_out)):
+        now += wait + step
+        out.append({"step": i + 1, "time": now, "samples": samples, "samples_total": samples * (i + 1),
+                    "samples_per_s": samples / (wait + step), "wait_for_samples_s": wait,
+                    "step_s": step - 0.1, "broadcast_s": 0.1, "samples_left_out": skipped})
+    return out
+
+
+def test_a_perfectly_overlapped_run_reaches_the_bound_when_step_lengths_vary():
+    """Steps of 1, 1, 1 and 9 s (samples without advantage skip the trainer): generation (3 s a batch) hides
+    behind training only on average. The bound comes from means, as samples/s does, so a pipelined run that
+    never waits gets exactly the bound; medians (T_train 1 s) would put the bound at 4 and this run at half."""
+    train = [1.0, 1.0, 1.0, 9.0] * 3
+    sync = rows([3.0] * 12, train, [24, 24, 24, 0] * 3)
+    pipelined = rows([0.0] * 12, train, [24, 24, 24, 0] * 3)
+    got = summarize(pipelined, sync, skip=3)  # steps 5-12: two whole cycles
+    assert got["t_gen_s"] == pytest.approx(3.0)
+    assert got["t_train_s"] == pytest.approx(3.0)
+    assert got["bound"] == pytest.approx(2.0)
+    assert got["samples_per_s"]["sync"] == pytest.approx(32 / 6)
+    assert got["ratio"] == pytest.approx(2.0)
+    assert got["fraction_of_bound"] == pytest.approx(1.0)
+    assert got["passed"]
+    assert got["medians"]["sync"]["t_train_s"] == pytest.approx(1.0)
+
+
+def test_a_pipelined_trainer_slowed_by_generation_falls_short_and_shows_where():
+    """The pipelined run's trainer takes 20% longer per sample it trains on than the synchronous one's: it
+    misses 90% of the bound, and the result says so per trained sample whatever the share left out."""
+    sync = rows([4.0] * 10, [4.0] * 10, [16] * 10)
+    pipelined = rows([0.0] * 10, [4.0 * 1.2 * 20 / 16] * 10, [12] * 10)  # 20 trained instead of 16
+    got = summarize(pipelined, sync, skip=2)
+    assert got["bound"] == pytest.approx(2.0)
+    assert not got["passed"]
+    assert got["samples_trained_per_step"] == {"sync": pytest.approx(16), "pipelined": pytest.approx(20)}
+    per = got["trainer_s_per_trained_sample"]
+    assert per["pipelined"] / per["sync"] == pytest.approx(1.2)
