@@ -287,7 +287,9 @@ def trl_config(cfg, lr: float, steps: int, output_dir: Path) -> Any:
       ppo_clip (0.2 below, 0.28 above; never active on TRL's side, whose batches are on-policy);
     - AdamW with trainer.betas / weight_decay / grad_clip, the recipe's schedule (cosine or constant) with its
       warm-up steps, decaying over the same number of steps;
-    - fp32 on the CPU, no gradient checkpointing (pipelinerl's defaults there), no checkpoints, no reporting.
+    - fp32 on the CPU (pipelinerl's default there), or bf16 autocast where the recipe sets
+      trainer.mixed_precision=bf16 (TRL's `bf16`: accelerate's autocast, which its generation runs under too);
+      no gradient checkpointing, no checkpoints, no reporting.
     TRL's own choices stay: advantages (r - group mean) / (group std + 1e-4), the loss averaged over the batch's
     tokens ("dapo"), no dynamic sampling (groups whose answers are all right or all wrong count as samples)."""
     from trl import GRPOConfig
@@ -297,7 +299,8 @@ def trl_config(cfg, lr: float, steps: int, output_dir: Path) -> Any:
         raise ValueError("sampling.stop: TRL's transformers generation here has no stop strings; this benchmark "
                          "supports recipes without them")
     return GRPOConfig(
-        output_dir=str(output_dir), use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=str(output_dir), use_cpu=True, bf16=t.mixed_precision == "bf16", fp16=False,
+        gradient_checkpointing=False,
         seed=cfg.seed, data_seed=cfg.seed, learning_rate=lr, max_steps=steps,
         lr_scheduler_type="cosine" if t.schedule == "cosine" else "constant_with_warmup", warmup_steps=t.warmup_steps,
         adam_beta1=float(t.betas[0]), adam_beta2=float(t.betas[1]), weight_decay=t.weight_decay,

@@ -111,3 +111,6 @@ def test_trl_config_matches_the_recipe():
     assert args.learning_rate == 3e-3 and args.max_steps == 200 and args.warmup_steps == cfg.trainer.warmup_steps
     assert args.lr_scheduler_type == "cosine"
     assert not args.bf16 and not args.gradient_checkpointing and args.use_cpu
+    # bf16 autocast on both sides or on neither
+    cfg = load_config(ROOT / "recipes" / "tiny_cpu.yaml", ["run_dir=unused", "trainer.mixed_precision=bf16"])
+    assert trl_config(cfg, 3e-3, 200, Path("/tmp/unused")).bf16
