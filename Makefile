@@ -15,9 +15,6 @@ PYTEST_ARGS ?=
 # order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
-# `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
-include launch/vllm_install.mk
-
 .PHONY: install run compare compare-algorithms compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
 
 install: $(STAMP)
@@ -28,6 +25,10 @@ install: $(STAMP)
 TORCH_PIN := $(VENV)/torch-pin.txt
 UV_INSTALL = $(BIN)/uv pip install --python $(BIN)/python --compile-bytecode --constraint $(TORCH_PIN)
 ENSURE_UV = test -x $(BIN)/uv || $(BIN)/python -m pip install --no-compile "uv>=0.5"
+PIN_TORCH = $(BIN)/python -c "import torch; print(f'torch=={torch.__version__}')" > $(TORCH_PIN)
+
+# `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
+include launch/vllm_install.mk
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,7 +41,7 @@ else
 endif
 	# the bytecode of torch and what came with it, on every core (pip compiles file by file)
 	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
-	$(BIN)/python -c "import torch; print(f'torch=={torch.__version__}')" 2>/dev/null > $(TORCH_PIN)
+	$(PIN_TORCH)
 	$(ENSURE_UV)
 	$(UV_INSTALL) -e ".[$(EXTRAS)]"
 ifeq ($(HAS_GPU),1)
@@ -104,7 +105,7 @@ compare-tools: $(STAMP)
 # tuned over a grid; recipes/tiny_cpu.yaml (~30 min), then recipes/counting_cpu.yaml (hours). Installs the `bench`
 # extra (TRL) on first use. bench/results/vs_trl_<recipe>.{json,png}; ARGS="--recipe recipes/tiny_cpu.yaml" for one.
 compare-trl: $(STAMP)
-	$(BIN)/python -c "import trl" 2>/dev/null || $(BIN)/python -m pip install -e ".[bench]"
+	$(BIN)/python -c "import trl" 2>/dev/null || { $(ENSURE_UV) && $(PIN_TORCH) && $(UV_INSTALL) -e ".[bench]"; }
 	$(BIN)/python -m bench.vs_trl $(ARGS)
 
 test: $(STAMP)

@@ -79,6 +79,8 @@ def summarize(pipelined: list[dict], sync: list[dict], skip: int) -> dict:
     # and a step's length varies a lot where samples without advantage skip the trainer (0.4 to 8 s on
     # counting_cpu), so medians would put the bound where the throughput cannot follow.
     sync_steps, pipe_steps = step_rows(sync, skip)[1:], step_rows(pipelined, skip)[1:]
+    if not sync_steps or not pipe_steps:
+        raise ValueError(f"no steps to measure: each run needs at least {skip + 2} steps (skip={skip})")
     t_gen, t_train = step_times(sync_steps)
     bound = (t_gen + t_train) / max(t_gen, t_train)
     # where a pipelined step's time goes: the trainer's own step (slower than T_train where generation beside it

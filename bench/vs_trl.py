@@ -658,10 +658,9 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
     result = summarise_workload(label, recipe, cfg, runs, params, threads, steps, eval_every, target_fraction)
     result["settings"].update(trl_threads_probe_s_per_step=threads_probe, recipe_overrides=extra,
                               pipelinerl_overrides=pipelinerl_extra, seed=cfg.seed if seed is None else seed)
-    if pipelinerl_extra:  # the thread counts pipelinerl's side ran with
-        own_cfg = load_config(recipe, [*extra, *pipelinerl_extra, "run_dir=unused"])
-        result["settings"]["pipelinerl_threads"] = (f"{own_cfg.engine.threads} per engine, "
-                                                    f"{own_cfg.trainer.threads} per trainer")
+    own_cfg = load_config(recipe, [*extra, *pipelinerl_extra, "run_dir=unused"])  # as pipelinerl's side ran
+    result["settings"]["pipelinerl_threads"] = (f"{own_cfg.engine.threads} per engine, "
+                                                f"{own_cfg.trainer.threads} per trainer")
     result["base_model"] = {"path": str(base), "parameters": params, "seconds_to_prepare": round(base_seconds, 1)}
     out_dir.mkdir(parents=True, exist_ok=True)
     result["png"] = str(plot_workload(label, runs, result, out_dir / f"vs_trl_{label}.png"))
