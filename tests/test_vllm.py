@@ -5,10 +5,12 @@ front and the worker extension make (install advice, command line, staging devic
 
 The server tests are skipped when vLLM is not installed or does not import (`make install-vllm` installs it)."""
 
+import asyncio
 import contextlib
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -21,14 +23,20 @@ import torch
 
 from pipelinerl.conformance import PASS, Reference, Settings, format_table, mismatch, run_suite
 from pipelinerl.contracts.inference import InitWeightUpdateGroupRequest
-from pipelinerl.engines.client import EngineClient, EngineError, init_group_on_engines, push_weights
+from pipelinerl.engines.client import (
+    EngineClient,
+    EngineError,
+    init_group_on_engines,
+    push_weights,
+    send_update_and_broadcast,
+)
 from pipelinerl.engines.server import ContractError
 from pipelinerl.engines.vllm import launcher
-from pipelinerl.engines.vllm.front import check_group_ranks, merge_receive_status
-from pipelinerl.engines.vllm.worker_extension import STAGING_SLACK_BYTES, group_rank, staging_device
+from pipelinerl.engines.vllm.front import ReceiveNotices, check_group_ranks, merge_receive_status
+from pipelinerl.engines.vllm.worker_extension import STAGING_SLACK_BYTES, group_rank, notify_front, staging_device
 from pipelinerl.models.tiny import build_tiny_model
 from pipelinerl.procs import engine_command, free_port, start_process, stop_process, tail
-from pipelinerl.weight_sync import init_weight_update_group
+from pipelinerl.weight_sync import broadcast_tensors, init_weight_update_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,6 +157,43 @@ def test_receive_status_is_done_when_every_worker_is():
     assert missing["done"] and "2 vLLM workers" in missing["error"]
 
 
+def test_receive_notices_end_the_wait_for_an_update():
+    """The front waits for an update's receive on a loopback socket, where each worker's thread sends its status
+    (`notify_front`, the worker's own code): the wait ends when every worker reported, or at once when one
+    failed; notices for another token and malformed ones are ignored; without notices the wait times out."""
+
+    def notify(port: int, token: str, worker: int, error: str | None = None) -> asyncio.Future:
+        status = {"done": True, "error": error, "seconds": 0.25 * (worker + 1)}
+        return asyncio.get_running_loop().run_in_executor(None, notify_front, {"port": port, "token": token},
+                                                          worker, status)
+
+    async def main() -> None:
+        notices = ReceiveNotices()
+        port = await notices.start()
+        try:
+            token = notices.expect(2)
+            assert await notices.wait(token, 0.2) is None  # nobody reported
+            await notify(port, "someone-else", 0)
+            await notify(port, token, 1)
+            assert await notices.wait(token, 0.2) is None  # one of two
+            with socket.create_connection(("127.0.0.1", port)) as conn:  # malformed: ignored, no harm
+                conn.sendall(b"not json\n")
+            await notify(port, token, 0)
+            statuses = await notices.wait(token, 5.0)
+            assert statuses is not None and [x["seconds"] for x in statuses] == [0.25, 0.5]
+            assert merge_receive_status(statuses, 2) == {"done": True, "error": None, "seconds": 0.5}
+            notices.forget(token)
+
+            failing = notices.expect(2)
+            await notify(port, failing, 1, error="WeightSyncError: boom")
+            statuses = await notices.wait(failing, 5.0)  # worker 0 may wait in the broadcast for good
+            assert merge_receive_status(statuses, 2)["error"] == "worker 1: WeightSyncError: boom"
+        finally:
+            await notices.aclose()
+
+    asyncio.run(main())
+
+
 # --- a real vLLM server ----------------------------------------------------------------------------------------
 
 
@@ -168,14 +213,18 @@ def vllm_model_dir(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def running_vllm(model_dir: Path, log: Path, max_model_len: int, max_running_seqs: int, tensor_parallel: int = 1):
-    """`pipelinerl serve --engine vllm` for `model_dir`, healthy; stopped on the way out."""
+def running_vllm(model_dir: Path, log: Path, max_model_len: int, max_running_seqs: int, tensor_parallel: int = 1,
+                 processes: list | None = None):
+    """`pipelinerl serve --engine vllm` for `model_dir`, healthy; stopped on the way out. Its process is appended
+    to `processes` when given."""
     port = free_port()
     cmd = engine_command(str(model_dir), port, engine="vllm",
                          extra=["--max-model-len", str(max_model_len), "--max-running-seqs", str(max_running_seqs),
                                 "--threads", "1", "--tensor-parallel-size", str(tensor_parallel)])
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = start_process(cmd, log, env=env)
+    if processes is not None:
+        processes.append(proc)
     client = EngineClient(f"http://127.0.0.1:{port}")
     try:
         try:
@@ -255,15 +304,17 @@ def test_tensor_parallel_engine_takes_updates_while_generating(vllm_imports, tmp
     """Tensor parallel 2 on CPU: two vLLM workers, ranks 1 and 2 of the group (the trainer is rank 0), each
     receiving the full tensors and loading its shard (here one of the two KV heads). An update pushed during a long
     generation switches it once, mid-way, to the new weights continuing from the old KV cache; later generations
-    are the new weights' (tokens and log-probs rescored by transformers), bucketed updates too."""
+    are the new weights' (tokens and log-probs rescored by transformers), bucketed updates too. While it waits
+    for an update's broadcast the engine leaves the cores to the trainer."""
     model = build_tiny_model(tmp_path / "model", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
                              initializer_range=0.2, seed=4321)
     ref = Reference(str(model))
     old, new = ref.base, ref.perturbed(seed=2)
     prompt = [5, 6, 67, 7, 8, 71]
-    steps = 240
+    steps = 640
     log = tmp_path / "vllm.log"
-    with running_vllm(model, log, 320, 4, tensor_parallel=2) as client:
+    processes: list = []
+    with running_vllm(model, log, 720, 4, tensor_parallel=2, processes=processes) as client:
         # a group counting one rank per engine is refused before anyone waits in it
         with pytest.raises(EngineError, match="ranks_per_engine=2"):
             init_group_on_engines([client], "127.0.0.1", free_port(), "gloo", "tp-short", 30)[1][0].result()
@@ -283,9 +334,9 @@ def test_tensor_parallel_engine_takes_updates_while_generating(vllm_imports, tmp
             greedy(steps)
             delay = 0.35 * (time.perf_counter() - t0)  # about a third of the way in
             landed = []
-            # the machine's load moves the timing: aim again where the update missed (a fresh clone's make test
-            # of 2026-11-27 missed 6 times in a row, the update landing after the last token each time, while
-            # the other worker's tests loaded both cores; it passed alone right after)
+            # the machine's load moves the timing: aim again where the update missed. (Until the workers
+            # reported the end of a receive on a socket, the front polled them every 2 ms, which kept vLLM's
+            # processes busy on both cores: under load a receive then took 10-50 s and missed 6 aims in a row.)
             for _ in range(10):
                 out: dict = {}
                 thread = threading.Thread(target=lambda into=out: into.update(c=greedy(steps)))
@@ -315,12 +366,50 @@ def test_tensor_parallel_engine_takes_updates_while_generating(vllm_imports, tmp
             back = greedy(48)
             assert set(back.versions) == {version + 2}
             assert mismatch(back, ref.logits(old, prompt, back.token_ids), 0, 2e-3) is None
+
+            busy = engine_cores_busy_while_awaiting_broadcast(group, client, processes[0], ref.named(new),
+                                                              version + 3)
+            # polled, the wait kept 1.96-1.99 cores busy; vLLM's workers busy-wait 1 s after each call, skipped
+            assert busy < 0.5, f"the engine kept {busy:.2f} cores busy while waiting for the broadcast"
+            assert client.info().weight_version == version + 3
         finally:
             group.destroy()
     # each worker staged the update itself, in host memory (gloo)
     staged = [line for line in log.read_text().splitlines() if "staging weight updates of" in line]
     assert len({line.split("pid=")[1].split(")")[0] for line in staged}) == 2, staged
     assert all("GiB on cpu" in line for line in staged), staged
+
+
+def engine_cores_busy_while_awaiting_broadcast(group, client: EngineClient, process, named, version: int,
+                                              hold_s: float = 4.0, skip_s: float = 1.5) -> float:
+    """Post an update, hold its broadcast for `hold_s`, then send it: the cores the engine's processes (the
+    server and all its children) kept busy on average while waiting, leaving out the first `skip_s`."""
+    import psutil
+
+    root = psutil.Process(process.pid)
+    tree = [root, *root.children(recursive=True)]
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                times = p.cpu_times()
+                total += times.user + times.system
+        return total
+
+    marks: list[tuple[float, float]] = []
+
+    def held_broadcast(ready) -> int:
+        ready()
+        time.sleep(skip_s)
+        marks.append((time.perf_counter(), cpu_seconds()))
+        time.sleep(hold_s - skip_s)
+        marks.append((time.perf_counter(), cpu_seconds()))
+        return broadcast_tensors(group, [t for _, t in named], 0)
+
+    send_update_and_broadcast(group, [client], named, version, 0, held_broadcast)
+    (t0, c0), (t1, c1) = marks
+    return (c1 - c0) / (t1 - t0)
 
 
 def greedy_tokens(ref: Reference, state: dict, prompt: list[int], n: int) -> list[int]:

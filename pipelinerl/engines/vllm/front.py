@@ -7,7 +7,8 @@
 - Weight updates: the worker extension (`worker_extension.py`) through `POST /collective_rpc`
   (`VLLM_SERVER_DEV_MODE=1`), which calls every worker (one per tensor-parallel rank) and answers with a list
   of their results: a step succeeds only if every worker's does, and an update is received only when every
-  worker has it. Receiving runs on a thread in each worker while vLLM keeps decoding; the switch runs with the
+  worker has it. Receiving runs on a thread in each worker while vLLM keeps decoding, and each worker's thread
+  reports the end of its receive on a loopback socket of the front (`ReceiveNotices`); the switch runs with the
   scheduler paused in `keep` mode and `clear_cache=false` (running requests keep their KV cache and
   continue), and relabels vLLM's weight version in the same pause, so the version vLLM stamps on each engine
   step is exactly the weights that step ran with.
@@ -57,7 +58,11 @@ log = logging.getLogger(__name__)
 # vLLM prefixes the request id of /inference/v1/generate with this to make its external id.
 _EXTERNAL_PREFIX = "generate-tokens-"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-_POLL_S = 0.002
+# Without every worker's notice for this long, the receive status is asked through the engine loop instead (a
+# worker that could not reach the front's socket). Longer than the 1 s vLLM's workers busy-wait after each
+# call (`SpinCondition` in vllm/distributed/device_communicators/shm_broadcast.py, 0.32): a poll each second
+# kept both cores of a 2-core machine busy for as long as an update was awaited.
+_FALLBACK_POLL_S = 5.0
 
 
 @dataclass
@@ -78,6 +83,68 @@ def merge_receive_status(statuses: list[Any], workers: int) -> dict:
     errors = [f"worker {i}: {x['error']}" for i, x in enumerate(statuses) if x.get("error")]
     return {"done": all(x.get("done") for x in statuses) or bool(errors), "error": errors[0] if errors else None,
             "seconds": max(float(x.get("seconds") or 0.0) for x in statuses)}
+
+
+class ReceiveNotices:
+    """A loopback socket on which each vLLM worker's receiving thread says that its receive ended, with its
+    status (`pipelinerl_receive_status`'s dict), as one JSON line {"token", "worker", "status"}.
+
+    Why not poll the status: each poll is a `collective_rpc`, which crosses vLLM's API server, its engine loop
+    and every worker. Polled every 2 ms, an engine waiting for a broadcast kept both cores of a 2-core machine
+    busy (1.96-1.99 cores against 0.03-0.04 idle), starving the trainer's broadcast and the receiving threads it
+    waited for. A notice costs one connection per worker per update. Each update has a random token, so
+    another local process cannot end an update's wait."""
+
+    def __init__(self) -> None:
+        self._server: asyncio.AbstractServer | None = None
+        self.port = 0
+        self._pending: dict[str, tuple[dict[int, dict], asyncio.Event, int]] = {}
+
+    async def start(self) -> int:
+        """Listen on 127.0.0.1 (once); returns the port."""
+        if self._server is None:
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    def expect(self, workers: int) -> str:
+        """A token for one update whose receive ends with a notice from each of `workers` workers."""
+        token = uuid.uuid4().hex
+        self._pending[token] = ({}, asyncio.Event(), workers)
+        return token
+
+    async def wait(self, token: str, timeout_s: float) -> list[dict] | None:
+        """Every worker's status, in worker order, once all have reported or one reported an error (the others
+        then count as done); None if neither happened in `timeout_s`."""
+        statuses, event, workers = self._pending[token]
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        return [statuses.get(w, {"done": True}) for w in range(workers)]
+
+    def forget(self, token: str) -> None:
+        self._pending.pop(token, None)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            msg = json.loads(await asyncio.wait_for(reader.readline(), 10.0))
+            pending = self._pending.get(msg["token"])
+            if pending is not None:
+                statuses, event, workers = pending
+                statuses[int(msg["worker"])] = dict(msg["status"])
+                if len(statuses) >= workers or statuses[int(msg["worker"])].get("error"):
+                    event.set()  # all done, or one failed (the others may wait in the broadcast for good)
+        except (asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("ignored a malformed receive notice: %s: %s", type(e).__name__, e)
+        finally:
+            writer.close()
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
 
 
 def check_group_ranks(req: InitWeightUpdateGroupRequest, workers: int) -> None:
@@ -102,6 +169,7 @@ class VLLMBackend:
         self._update_lock = asyncio.Lock()
         self._in_flight: set[str] = set()
         self._http: httpx.AsyncClient | None = None
+        self._notices = ReceiveNotices()
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -116,6 +184,7 @@ class VLLMBackend:
         await self._post("/update_weight_version", {"new_version": str(self.version)})
 
     async def aclose(self) -> None:
+        await self._notices.aclose()
         if self._http is not None:
             await self._http.aclose()
 
@@ -232,10 +301,16 @@ class VLLMBackend:
             t0 = time.perf_counter()
             problem = check_update(req.params, self.facts.params)
             specs = [[p.name, p.dtype, p.shape] for p in req.params]
-            # A refused update is still drained (into scratch memory), so the trainer is not left hanging.
-            await self._rpc("pipelinerl_start_receive",
-                            {"specs": specs, "bucket_bytes": req.bucket_bytes, "apply": problem is None})
-            status = await self._wait_received()
+            port = await self._notices.start()
+            token = self._notices.expect(self.settings.tensor_parallel_size)
+            try:
+                # A refused update is still drained (into scratch memory), so the trainer is not left hanging.
+                await self._rpc("pipelinerl_start_receive",
+                                {"specs": specs, "bucket_bytes": req.bucket_bytes, "apply": problem is None,
+                                 "notify": {"port": port, "token": token}})
+                status = await self._wait_received(token)
+            finally:
+                self._notices.forget(token)
             if problem is not None:
                 self.metrics.refused_updates += 1
                 raise ContractError(400, problem[1], problem[0], "mismatched_update")
@@ -248,16 +323,20 @@ class VLLMBackend:
             return UpdateWeightsResponse(version=req.version, received_bytes=nbytes, receive_s=receive_s,
                                          switch_s=switch_s)
 
-    async def _wait_received(self) -> dict:
+    async def _wait_received(self, token: str) -> dict:
+        """Every worker's receive status once all are done (or one failed): from their notices, or, where a
+        notice is late, from a status poll through the engine loop."""
+        workers = self.settings.tensor_parallel_size
         deadline = time.monotonic() + self.settings.update_timeout_s
         while True:
-            status = merge_receive_status(await self._rpc("pipelinerl_receive_status"),
-                                          self.settings.tensor_parallel_size)
+            statuses = await self._notices.wait(token, min(_FALLBACK_POLL_S, max(0.0, deadline - time.monotonic())))
+            if statuses is None:
+                statuses = await self._rpc("pipelinerl_receive_status")
+            status = merge_receive_status(statuses, workers)
             if status.get("done"):
                 return status
             if time.monotonic() > deadline:
                 raise ContractError(504, "the update's broadcast did not finish in time", type="weight_sync_error")
-            await asyncio.sleep(_POLL_S)
 
     async def _switch(self, version: int) -> float:
         """Pause vLLM's scheduler between two steps (keeping running requests and their KV cache), load the

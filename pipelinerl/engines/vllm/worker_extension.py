@@ -7,7 +7,8 @@ which takes string arguments only: payloads are JSON strings, results JSON-able 
 
 Why the update is split in calls: a `collective_rpc` runs inside vLLM's engine loop, between two steps, and
 generation stops while it runs. So receiving (the long part) happens on a thread of this process while vLLM
-keeps decoding (`pipelinerl_start_receive`, then `pipelinerl_receive_status` polls), and only the switch
+keeps decoding (`pipelinerl_start_receive`; the thread tells the front when it is done over a loopback socket,
+and `pipelinerl_receive_status` answers where that notice is late), and only the switch
 (`pipelinerl_switch`: `model_runner.reload_weights`) runs inside the engine loop, between two decode steps.
 Running requests keep their KV cache, computed under the old weights.
 
@@ -36,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -105,6 +107,7 @@ class _Receive:
         self.started = time.perf_counter()
         self.seconds = 0.0
         self.done = threading.Event()
+        self.notify: dict | None = None  # {"port", "token"}: where the front waits for this receive's end
 
 
 class PipelineRLWorkerExtension:
@@ -154,6 +157,7 @@ class PipelineRLWorkerExtension:
         specs = [TensorSpec(n, DTYPES[d], tuple(s)) for n, d, s in req["specs"]]
         bucket_bytes = int(req.get("bucket_bytes", 0))
         receive = _Receive([s.name for s in specs], bool(req.get("apply", True)))
+        receive.notify = req.get("notify")
         self._pl_receive = receive
         threading.Thread(target=self._pl_receive_thread, args=(group, specs, bucket_bytes, receive),
                          name="pipelinerl-receive", daemon=True).start()
@@ -201,6 +205,9 @@ class PipelineRLWorkerExtension:
             receive.error = f"{type(e).__name__}: {e}"
         receive.seconds = time.perf_counter() - receive.started
         receive.done.set()
+        if receive.notify:
+            notify_front(receive.notify, int(getattr(self, "rank", 0)),
+                          {"done": True, "error": receive.error, "seconds": receive.seconds})
 
     @contextlib.contextmanager
     def _pl_receive_stream(self, group: WeightUpdateGroup) -> Iterator[None]:
@@ -288,6 +295,17 @@ class PipelineRLWorkerExtension:
                 names.discard(LM_HEAD)
             self._pl_names = names
         return names
+
+
+def notify_front(notify: dict, worker: int, status: dict) -> None:
+    """Tell the front (`front.ReceiveNotices`, on this host) that this worker's receive ended. Best effort: a
+    front that gets no notice asks for the status through the engine loop instead."""
+    line = json.dumps({"token": notify["token"], "worker": worker, "status": status}) + "\n"
+    try:
+        with socket.create_connection(("127.0.0.1", int(notify["port"])), timeout=10.0) as conn:
+            conn.sendall(line.encode())
+    except OSError as e:
+        log.warning("could not notify the front that the update was received (%s); it will ask instead", e)
 
 
 def _storages(tensors: list[torch.Tensor]) -> dict[int, int]:
