@@ -188,6 +188,11 @@ def test_receive_notices_end_the_wait_for_an_update():
             await notify(port, failing, 1, error="WeightSyncError: boom")
             statuses = await notices.wait(failing, 5.0)  # worker 0 may wait in the broadcast for good
             assert merge_receive_status(statuses, 2)["error"] == "worker 1: WeightSyncError: boom"
+            notices.forget(failing)
+
+            single = notices.expect(1)
+            await notify(port, single, 1)  # no worker 1 in an engine of one worker: ignored
+            assert await notices.wait(single, 0.2) is None
         finally:
             await notices.aclose()
 
@@ -367,6 +372,8 @@ def test_tensor_parallel_engine_takes_updates_while_generating(vllm_imports, tmp
             assert set(back.versions) == {version + 2}
             assert mismatch(back, ref.logits(old, prompt, back.token_ids), 0, 2e-3) is None
 
+            # every receive so far ended with each worker's notice, none with the front asking after them
+            assert "no receive notice" not in log.read_text(), tail(log, 30)
             busy = engine_cores_busy_while_awaiting_broadcast(group, client, processes[0], ref.named(new),
                                                               version + 3)
             # polled, the wait kept 1.96-1.99 cores busy; vLLM's workers busy-wait 1 s after each call, skipped
@@ -381,9 +388,11 @@ def test_tensor_parallel_engine_takes_updates_while_generating(vllm_imports, tmp
 
 
 def engine_cores_busy_while_awaiting_broadcast(group, client: EngineClient, process, named, version: int,
-                                              hold_s: float = 4.0, skip_s: float = 1.5) -> float:
+                                              hold_s: float = 4.5, skip_s: float = 2.5) -> float:
     """Post an update, hold its broadcast for `hold_s`, then send it: the cores the engine's processes (the
-    server and all its children) kept busy on average while waiting, leaving out the first `skip_s`."""
+    server and all its children) kept busy on average while waiting, leaving out the first `skip_s` (the
+    request's way to vLLM's workers, then their 1 s busy wait). `hold_s` stays under the front's 5 s before it
+    asks the workers itself, which would start that busy wait again."""
     import psutil
 
     root = psutil.Process(process.pid)

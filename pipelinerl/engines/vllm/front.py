@@ -130,10 +130,11 @@ class ReceiveNotices:
         try:
             msg = json.loads(await asyncio.wait_for(reader.readline(), 10.0))
             pending = self._pending.get(msg["token"])
-            if pending is not None:
+            worker = int(msg["worker"])
+            if pending is not None and 0 <= worker < pending[2]:
                 statuses, event, workers = pending
-                statuses[int(msg["worker"])] = dict(msg["status"])
-                if len(statuses) >= workers or statuses[int(msg["worker"])].get("error"):
+                statuses[worker] = dict(msg["status"])
+                if len(statuses) >= workers or statuses[worker].get("error"):
                     event.set()  # all done, or one failed (the others may wait in the broadcast for good)
         except (asyncio.TimeoutError, OSError, ValueError, KeyError, TypeError) as e:
             log.warning("ignored a malformed receive notice: %s: %s", type(e).__name__, e)
@@ -331,6 +332,9 @@ class VLLMBackend:
         while True:
             statuses = await self._notices.wait(token, min(_FALLBACK_POLL_S, max(0.0, deadline - time.monotonic())))
             if statuses is None:
+                log.info("no receive notice from every vLLM worker in %.0f s (a long receive, or a worker that "
+                         "cannot reach this front's loopback socket): asking them for the update's status",
+                         _FALLBACK_POLL_S)
                 statuses = await self._rpc("pipelinerl_receive_status")
             status = merge_receive_status(statuses, workers)
             if status.get("done"):
