@@ -97,15 +97,13 @@ class ReceiveNotices:
 
     def __init__(self) -> None:
         self._server: asyncio.AbstractServer | None = None
-        self.port = 0
         self._pending: dict[str, tuple[dict[int, dict], asyncio.Event, int]] = {}
 
     async def start(self) -> int:
         """Listen on 127.0.0.1 (once); returns the port."""
         if self._server is None:
             self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-            self.port = int(self._server.sockets[0].getsockname()[1])
-        return self.port
+        return int(self._server.sockets[0].getsockname()[1])
 
     def expect(self, workers: int) -> str:
         """A token for one update whose receive ends with a notice from each of `workers` workers."""
@@ -129,10 +127,9 @@ class ReceiveNotices:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             msg = json.loads(await asyncio.wait_for(reader.readline(), 10.0))
-            pending = self._pending.get(msg["token"])
+            statuses, event, workers = self._pending.get(msg["token"], ({}, None, 0))
             worker = int(msg["worker"])
-            if pending is not None and 0 <= worker < pending[2]:
-                statuses, event, workers = pending
+            if event is not None and 0 <= worker < workers:
                 statuses[worker] = dict(msg["status"])
                 if len(statuses) >= workers or statuses[worker].get("error"):
                     event.set()  # all done, or one failed (the others may wait in the broadcast for good)

@@ -100,14 +100,18 @@ def group_rank(rank_offset: int, worker: int, workers: int, world_size: int) -> 
 class _Receive:
     """One update being received on a thread: the (name, tensor) pairs to load, or the error that ended it."""
 
-    def __init__(self, names: list[str], apply: bool):
+    def __init__(self, names: list[str], apply: bool, notify: dict | None):
         self.names, self.apply = names, apply
+        self.notify = notify  # {"port", "token"}: where the front waits for this receive's end
         self.loadable: list[tuple[str, torch.Tensor]] | None = None
         self.error: str | None = None
         self.started = time.perf_counter()
         self.seconds = 0.0
         self.done = threading.Event()
-        self.notify: dict | None = None  # {"port", "token"}: where the front waits for this receive's end
+
+    def status(self) -> dict:
+        """What `pipelinerl_receive_status` answers and the notice to the front carries."""
+        return {"done": self.done.is_set(), "error": self.error, "seconds": self.seconds}
 
 
 class PipelineRLWorkerExtension:
@@ -156,8 +160,7 @@ class PipelineRLWorkerExtension:
             raise RuntimeError("an update is already being received")
         specs = [TensorSpec(n, DTYPES[d], tuple(s)) for n, d, s in req["specs"]]
         bucket_bytes = int(req.get("bucket_bytes", 0))
-        receive = _Receive([s.name for s in specs], bool(req.get("apply", True)))
-        receive.notify = req.get("notify")
+        receive = _Receive([s.name for s in specs], bool(req.get("apply", True)), req.get("notify"))
         self._pl_receive = receive
         threading.Thread(target=self._pl_receive_thread, args=(group, specs, bucket_bytes, receive),
                          name="pipelinerl-receive", daemon=True).start()
@@ -167,7 +170,7 @@ class PipelineRLWorkerExtension:
         receive = getattr(self, "_pl_receive", None)
         if receive is None:
             return {"done": True, "error": "no update in progress", "seconds": 0.0}
-        return {"done": receive.done.is_set(), "error": receive.error, "seconds": receive.seconds}
+        return receive.status()
 
     def pipelinerl_switch(self) -> dict:
         """Load the received tensors into the running model (between two engine steps)."""
@@ -206,8 +209,7 @@ class PipelineRLWorkerExtension:
         receive.seconds = time.perf_counter() - receive.started
         receive.done.set()
         if receive.notify:
-            notify_front(receive.notify, int(getattr(self, "rank", 0)),
-                          {"done": True, "error": receive.error, "seconds": receive.seconds})
+            notify_front(receive.notify, int(getattr(self, "rank", 0)), receive.status())
 
     @contextlib.contextmanager
     def _pl_receive_stream(self, group: WeightUpdateGroup) -> Iterator[None]:
