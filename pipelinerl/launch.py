@@ -93,8 +93,14 @@ def prepare_model(cfg: RunConfig) -> Path:
         if target is None:
             raise ConfigError(f"model.warmup_steps: task {t.name!r} has no supervised targets; set it to 0")
         examples = [(task.prompt(p), target(p)) for p in task.train_problems()]
-        supervised_warmup(model, tokenizer, examples, m.warmup_steps, m.warmup_batch_size, m.warmup_lr, seed)
-        model.save_pretrained(path)
+        # on a GPU when the node has one: the launcher runs before any engine or trainer holds it, and there the
+        # warm-up takes seconds where the CPU of a GPU node took minutes (float32 either way)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            print("the supervised warm-up runs on GPU 0")
+        supervised_warmup(model.to(device), tokenizer, examples, m.warmup_steps, m.warmup_batch_size, m.warmup_lr,
+                          seed)
+        model.to("cpu").save_pretrained(path)
     marker.write_text(json.dumps(settings))
     return path
 

@@ -16,8 +16,10 @@ def supervised_warmup(model: torch.nn.Module, tokenizer, examples: list[tuple[st
     """Train on (prompt, target) pairs with cross-entropy on the target tokens only; returns the losses.
 
     Sequences are right-padded within a batch; the loss mask covers the target (and its EOS) so the model
-    learns to answer, not to predict prompts.
+    learns to answer, not to predict prompts. It trains where the model's parameters are (a GPU, if the caller put
+    it there).
     """
+    device = next(model.parameters()).device
     rng = random.Random(seed)
     torch.manual_seed(seed)
     encoded = [(tokenizer.encode(p), tokenizer.encode(t) + [tokenizer.eos_token_id]) for p, t in examples]
@@ -35,7 +37,7 @@ def supervised_warmup(model: torch.nn.Module, tokenizer, examples: list[tuple[st
             ids[i, : len(p) + len(t)] = torch.tensor(p + t)
             labels[i, len(p): len(p) + len(t)] = torch.tensor(t)
         # shift inside the model: labels[i, j] is predicted from ids[i, :j]
-        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+        loss = model(input_ids=ids.to(device), labels=labels.to(device), use_cache=False).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
