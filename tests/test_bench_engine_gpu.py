@@ -1,0 +1,27 @@
+"""bench/engine_gpu.py: it says why it cannot run without a GPU, and its measurement (the same code a GPU runs,
+with the device named) times both sides on a small model here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import engine_gpu
+from bench.common import tiny_model
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark runs there")
+def test_without_a_gpu_the_benchmark_reports_itself_skipped():
+    result = engine_gpu.run(quick=True)
+    assert result["skipped"] and "needs a GPU" in result["skipped"] and result["ratio"] is None
+
+
+def test_the_measurement_times_the_engine_and_hf_generate_per_decode_step(tmp_path):
+    path = tiny_model(tmp_path, hidden_size=32, num_layers=2)
+    result = engine_gpu.measure(path, "cpu", batches=(1, 4), lengths=(4, 12))
+    assert [r["batch"] for r in result["rows"]] == [1, 4]
+    for row in result["rows"]:
+        assert row["engine_ms"] > 0 and row["hf_ms"] > 0, row
+        assert row["engine_over_hf"] == pytest.approx(row["hf_ms"] / row["engine_ms"], rel=0.02), row
+    assert result["ratio"] == min(r["engine_over_hf"] for r in result["rows"])
+    assert result["gpu_busy"] is None and result["passed"] == (result["ratio"] >= engine_gpu.TARGET)
