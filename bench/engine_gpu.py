@@ -7,8 +7,8 @@ Needs a GPU; elsewhere `run` returns a result marked skipped (engine_scale measu
 Per batch (BATCHES), both sides decode greedily with EOS ignored; the time of a decode step is
 (t(N2) - t(N1)) / (N2 - N1) for two answer lengths, so that the prefill drops out (the better of two runs of each
 length). Then `torch.profiler` records the engine decoding at the largest batch: `gpu_busy` is the GPU's kernel
-time over the wall time. A low figure means the host (Python, one kernel launch per operation, no CUDA graphs) sets
-the step, not the GPU.
+time over the wall time, `kernels_per_step` the kernels launched a decode step. A low `gpu_busy` means the host
+(Python, one kernel launch per operation, no CUDA graphs) sets the step, not the GPU.
 
 `ratio` = the smallest engine / HF speed over the batches. Target: >= 2, issue 21's target against HF `generate`.
 """
@@ -74,15 +74,18 @@ def measure(path: Path, device: str, batches: Sequence[int], lengths: tuple[int,
             ms = {name: _step_ms(side, lengths) for name, side in sides.items()}
             rows.append({"batch": batch, "engine_ms": round(ms["engine"], 2), "hf_ms": round(ms["hf"], 2),
                          "engine_over_hf": round(ms["hf"] / ms["engine"], 2)})
-        busy = _gpu_busy(engine, loop, _prompts(max(batches), vocab_below), device) if device == "cuda" else None
+        profiled = _gpu_busy(engine, loop, _prompts(max(batches), vocab_below), device) if device == "cuda" else {}
     finally:
         loop.close()
+        engine.shutdown()
     ratio = min(r["engine_over_hf"] for r in rows)
     table = "\n".join(f"batch {r['batch']:4d}: engine {r['engine_ms']:.2f} ms a step, HF generate "
                       f"{r['hf_ms']:.2f} ms: {r['engine_over_hf']:.2f}x" for r in rows)
-    summary = f"engine / HF generate {ratio:.2f}x at worst" + (f"; GPU {busy:.0%} busy in the engine's decode"
-                                                               if busy is not None else "")
-    return {"name": NAME, "rows": rows, "gpu_busy": busy, "table": table, "summary": summary,
+    busy = profiled.get("gpu_busy")
+    summary = f"engine / HF generate {ratio:.2f}x at worst" + (
+        f"; GPU {busy:.0%} busy in the engine's decode, {profiled['kernels_per_step']:.0f} kernels a step"
+        if busy is not None else "")
+    return {"name": NAME, "rows": rows, "gpu_busy": busy, **profiled, "table": table, "summary": summary,
             "model": "qwen2-500m (Qwen2.5-0.5B's config, random weights)", "device": device, "lengths": lengths,
             **verdict(ratio, TARGET)}
 
@@ -131,14 +134,19 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, device: str) 
     return time.perf_counter() - t
 
 
-def _gpu_busy(engine, loop: asyncio.AbstractEventLoop, prompts: list[list[int]], device: str) -> float:
+def _gpu_busy(engine, loop: asyncio.AbstractEventLoop, prompts: list[list[int]], device: str) -> dict:
+    """The GPU's kernel time over the wall time of the engine's decode, and the kernels it launches a step."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     _engine_decode(engine, loop, prompts, 8, device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = _engine_decode(engine, loop, prompts, PROFILED_TOKENS, device)
-    kernels_s = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
-    return round(kernels_s / wall, 3)
+    events = prof.key_averages()
+    kernels_s = sum(e.self_device_time_total for e in events) / 1e6
+    kernels = sum(e.count for e in events if e.device_type == DeviceType.CUDA)
+    return {"gpu_busy": round(kernels_s / wall, 3), "kernel_ms_per_step": round(kernels_s / PROFILED_TOKENS * 1e3, 2),
+            "kernels_per_step": round(kernels / PROFILED_TOKENS, 1)}
 
 
 if __name__ == "__main__":
