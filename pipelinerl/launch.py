@@ -42,7 +42,16 @@ from pipelinerl.placement import (
     is_loopback,
     plan_node,
 )
-from pipelinerl.procs import engine_command, free_port, start_process, stop_process, tail, tool_command, wait_for_port
+from pipelinerl.procs import (
+    engine_command,
+    free_port,
+    run_in_child,
+    start_process,
+    stop_process,
+    tail,
+    tool_command,
+    wait_for_port,
+)
 from pipelinerl.streams import StreamBackendError, check_backend, reset_stream
 
 
@@ -69,10 +78,9 @@ def prepare_model(cfg: RunConfig) -> Path:
         print(f"using the cached base model in {path}")
         return path
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipelinerl.models.tiny import build_tiny_model
-    from pipelinerl.models.warmup import supervised_warmup
+    from pipelinerl.models.warmup import warm_up_saved_model
     from pipelinerl.tasks import task_from_config
 
     print(f"building a tiny model in {path} (seed {seed})")
@@ -88,19 +96,18 @@ def prepare_model(cfg: RunConfig) -> Path:
     build_tiny_model(path, hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers, seed=seed,
                      max_positions=max(1024, cfg.engine.max_model_len), tokenizer=tokenizer)
     if m.warmup_steps > 0:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         if target is None:
             raise ConfigError(f"model.warmup_steps: task {t.name!r} has no supervised targets; set it to 0")
         examples = [(task.prompt(p), target(p)) for p in task.train_problems()]
-        # on a GPU when the node has one: the launcher runs before any engine or trainer holds it, and there the
-        # warm-up takes seconds where the CPU of a GPU node took minutes (float32 either way)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda":
+        args = (str(path), examples, m.warmup_steps, m.warmup_batch_size, m.warmup_lr, seed)
+        if torch.cuda.is_available():
+            # On GPU 0, before any engine or trainer holds it: seconds where the node's CPU took minutes (float32
+            # either way). In a child process, so that this launcher, which lives as long as the run, never holds
+            # a CUDA context (memory on GPU 0, and a GPU in exclusive-process mode refused to the trainer).
             print("the supervised warm-up runs on GPU 0")
-        supervised_warmup(model.to(device), tokenizer, examples, m.warmup_steps, m.warmup_batch_size, m.warmup_lr,
-                          seed)
-        model.to("cpu").save_pretrained(path)
+            run_in_child(warm_up_saved_model, *args, "cuda")
+        else:
+            warm_up_saved_model(*args)
     marker.write_text(json.dumps(settings))
     return path
 

@@ -8,8 +8,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -36,6 +39,16 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def run_in_child(fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` in a fresh (spawned) Python process, waited for; its result returned and its exception raised
+    here. For work whose process-wide state must not stay in this one (a CUDA context)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def start_process(cmd: Sequence[str], log_path: str | Path, threads: int | None = None,

@@ -121,3 +121,37 @@ def test_model_seed_keeps_the_cached_base_model_for_a_run_with_another_seed(tmp_
     prepare_model(load_config(RECIPES / "tiny_cpu.yaml", [*settings, "seed=1"]))
     rebuilt = load_file(base / "model.safetensors")
     assert any(not rebuilt[k].equal(weights[k]) for k in weights)
+
+
+
+def test_the_warm_up_in_a_child_process_gives_the_model_of_the_warm_up_in_this_one(tmp_path):
+    """On a GPU node the launcher warms the base model up in a spawned child (so that it never holds a CUDA context
+    itself). The child's warm-up is the same deterministic training: run on the CPU here, both give the same
+    weights bit for bit, and a failure in the child is raised in the parent."""
+    import shutil
+
+    import pytest
+    from safetensors.torch import load_file
+
+    from pipelinerl.launch import prepare_model
+    from pipelinerl.models.warmup import warm_up_saved_model
+    from pipelinerl.procs import run_in_child
+    from pipelinerl.tasks import task_from_config
+
+    cfg = load_config(RECIPES / "tiny_cpu.yaml", [f"run_dir={tmp_path}", f"model.path={tmp_path}/here",
+                                                  "model.warmup_steps=0", "model.tiny_hidden_size=32"])
+    prepare_model(cfg)  # the untrained base model
+    shutil.copytree(tmp_path / "here", tmp_path / "child")
+    initial = load_file(tmp_path / "here" / "model.safetensors")
+    task = task_from_config(cfg.task)
+    args = ([(task.prompt(p), task.target(p)) for p in task.train_problems()], 6, 16, 3e-3, 0)
+
+    warm_up_saved_model(str(tmp_path / "here"), *args)
+    run_in_child(warm_up_saved_model, str(tmp_path / "child"), *args, "cpu")
+
+    here = load_file(tmp_path / "here" / "model.safetensors")
+    child = load_file(tmp_path / "child" / "model.safetensors")
+    assert any(not here[k].equal(initial[k]) for k in initial), "the warm-up changed nothing"
+    assert here.keys() == child.keys() and all(here[k].equal(child[k]) for k in here)
+    with pytest.raises(OSError):  # no model there: transformers' error, raised in this process
+        run_in_child(warm_up_saved_model, str(tmp_path / "missing"), *args, "cpu")

@@ -49,3 +49,15 @@ def supervised_warmup(model: torch.nn.Module, tokenizer, examples: list[tuple[st
             on_step(step, losses[-1])
     model.eval()
     return losses
+
+
+def warm_up_saved_model(path: str, examples: list[tuple[str, str]], steps: int, batch_size: int, lr: float,
+                        seed: int, device: str = "cpu") -> None:
+    """Load the float32 model and tokenizer saved in `path`, give it `supervised_warmup` on `device`, and save it
+    back (from the CPU). The launcher runs this in a child process on a GPU node (see `prepare_model`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    supervised_warmup(model.to(device), tokenizer, examples, steps, batch_size, lr, seed)
+    model.to("cpu").save_pretrained(path)
