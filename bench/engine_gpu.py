@@ -72,7 +72,7 @@ def measure(path: Path, device: str, batches: Sequence[int], lengths: tuple[int,
             sides = {"engine": lambda n, p=prompts: _engine_decode(engine, loop, p, n, device),
                      "hf": lambda n, p=prompts: _hf_generate(model, p, n, device)}
             ms = {name: _step_ms(side, lengths) for name, side in sides.items()}
-            rows.append({"batch": batch, "engine_ms": round(ms["engine"], 2), "hf_ms": round(ms["hf"], 2),
+            rows.append({"batch": batch, "engine_ms": round(ms["engine"], 4), "hf_ms": round(ms["hf"], 4),
                          "engine_over_hf": round(ms["hf"] / ms["engine"], 2)})
         profiled = _gpu_busy(engine, loop, _prompts(max(batches), vocab_below), device) if device == "cuda" else {}
     finally:
