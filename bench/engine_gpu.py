@@ -15,15 +15,15 @@ time over the wall time, `kernels_per_step` the kernels launched a decode step. 
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from bench.common import machine, verdict, write_result
+from bench.engine_scale import EngineSide, HFSide, _timed, build_model
 
 NAME = "engine_gpu"
 TARGET = 2.0
@@ -44,8 +44,6 @@ def run(quick: bool = False) -> dict:
     if reason:
         return {"name": NAME, "ratio": None, "target": TARGET, "passed": False, "skipped": reason,
                 "summary": f"skipped: {reason}", "machine": machine()}
-    from bench.engine_scale import build_model
-
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp), "500m")
         t0 = time.perf_counter()
@@ -64,19 +62,20 @@ def measure(path: Path, device: str, batches: Sequence[int], lengths: tuple[int,
     vocab_below = len(tokenizer) if tokenizer is not None else 256
     engine = EmbeddedEngine(model, str(path), EngineSettings(max_running_seqs=max(batches), max_model_len=512,
                                                              max_batch_tokens=max(batches) * 64))
-    loop = asyncio.new_event_loop()
-    rows = []
+    rows, opened = [], []
     try:
         for batch in batches:
             prompts = _prompts(batch, vocab_below)
-            sides = {"engine": lambda n, p=prompts: _engine_decode(engine, loop, p, n, device),
-                     "hf": lambda n, p=prompts: _hf_generate(model, p, n, device)}
-            ms = {name: _step_ms(side, lengths) for name, side in sides.items()}
+            sides = {"engine": EngineSide(engine, prompts), "hf": HFSide(model, prompts)}
+            opened += sides.values()
+            ms = {name: _step_ms(side, lengths, device) for name, side in sides.items()}
             rows.append({"batch": batch, "engine_ms": round(ms["engine"], 4), "hf_ms": round(ms["hf"], 4),
                          "engine_over_hf": round(ms["hf"] / ms["engine"], 2)})
-        profiled = _gpu_busy(engine, loop, _prompts(max(batches), vocab_below), device) if device == "cuda" else {}
+        profiled = _gpu_busy(EngineSide(engine, _prompts(max(batches), vocab_below)), device) \
+            if device == "cuda" else {}
     finally:
-        loop.close()
+        for side in opened:
+            side.close()
         engine.shutdown()
     ratio = min(r["engine_over_hf"] for r in rows)
     table = "\n".join(f"batch {r['batch']:4d}: engine {r['engine_ms']:.2f} ms a step, HF generate "
@@ -100,48 +99,27 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _step_ms(side: Callable[[int], float], lengths: tuple[int, int]) -> float:
-    side(4)  # warm-up: kernels chosen, caches allocated
-    short, long = (min(side(n) for _ in range(2)) for n in lengths)
+def _seconds(side: EngineSide | HFSide, new_tokens: int, device: str) -> float:
+    """engine_scale's timing of one batch (which checks the tokens generated), the GPU's queue empty before it.
+    Both sides end on a host read of their tokens, so no work is left in the queue when the clock stops."""
+    _sync(device)
+    return _timed(side, new_tokens)
+
+
+def _step_ms(side: EngineSide | HFSide, lengths: tuple[int, int], device: str) -> float:
+    _seconds(side, 4, device)  # warm-up: kernels chosen, caches allocated
+    short, long = (min(_seconds(side, n, device) for _ in range(2)) for n in lengths)
     return (long - short) / (lengths[1] - lengths[0]) * 1e3
 
 
-def _engine_decode(engine, loop: asyncio.AbstractEventLoop, prompts: list[list[int]], new_tokens: int,
-                   device: str) -> float:
-    from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
-
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-
-    async def batch() -> list:
-        return await asyncio.gather(*(engine.generate(GenerateRequest(prompt_token_ids=p, sampling=params))
-                                      for p in prompts))
-
-    _sync(device)
-    t = time.perf_counter()
-    loop.run_until_complete(batch())
-    _sync(device)
-    return time.perf_counter() - t
-
-
-def _hf_generate(model, prompts: list[list[int]], new_tokens: int, device: str) -> float:
-    ids = torch.tensor(prompts, device=device)  # prompts of one length: no padding
-    _sync(device)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, pad_token_id=0)
-    _sync(device)
-    return time.perf_counter() - t
-
-
-def _gpu_busy(engine, loop: asyncio.AbstractEventLoop, prompts: list[list[int]], device: str) -> dict:
+def _gpu_busy(side: EngineSide, device: str) -> dict:
     """The GPU's kernel time over the wall time of the engine's decode, and the kernels it launches a step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    _engine_decode(engine, loop, prompts, 8, device)
+    _seconds(side, 8, device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = _engine_decode(engine, loop, prompts, PROFILED_TOKENS, device)
+        wall = _seconds(side, PROFILED_TOKENS, device)
     events = prof.key_averages()
     kernels_s = sum(e.self_device_time_total for e in events) / 1e6
     kernels = sum(e.count for e in events if e.device_type == DeviceType.CUDA)

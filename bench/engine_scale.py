@@ -401,8 +401,9 @@ class HFSide:
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]]):
         self.model, self.prompts = model, prompts
         longest = max(len(p) for p in prompts)
-        self.ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-        self.mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+        device = next(model.parameters()).device  # the model's (engine_gpu runs both sides on a GPU)
+        self.ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+        self.mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
 
     def __call__(self, new_tokens: int) -> int:
         with torch.inference_mode():

@@ -31,18 +31,17 @@ def test_the_measurement_times_the_engine_and_hf_generate_per_decode_step(tmp_pa
 @pytest.mark.filterwarnings("ignore:CUDA is not available")
 def test_the_profiled_decode_counts_no_gpu_kernels_on_a_cpu(tmp_path):
     """The profiler part runs on a CPU too, where nothing is launched on a GPU: the counts are zero, not an error."""
-    import asyncio
-
+    from bench.engine_scale import EngineSide
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
     from pipelinerl.serve import load_model
 
     path = tiny_model(tmp_path, hidden_size=32, num_layers=2)
     model, tokenizer = load_model(str(path), "float32", "cpu")
     engine = EmbeddedEngine(model, str(path), EngineSettings(max_running_seqs=4, max_model_len=256))
-    loop = asyncio.new_event_loop()
+    side = EngineSide(engine, engine_gpu._prompts(4, len(tokenizer)))
     try:
-        got = engine_gpu._gpu_busy(engine, loop, engine_gpu._prompts(4, len(tokenizer)), "cpu")
+        got = engine_gpu._gpu_busy(side, "cpu")
     finally:
-        loop.close()
+        side.close()
         engine.shutdown()
     assert got == {"gpu_busy": 0.0, "kernel_ms_per_step": 0.0, "kernels_per_step": 0.0}

@@ -123,7 +123,6 @@ def test_model_seed_keeps_the_cached_base_model_for_a_run_with_another_seed(tmp_
     assert any(not rebuilt[k].equal(weights[k]) for k in weights)
 
 
-
 def test_the_warm_up_in_a_child_process_gives_the_model_of_the_warm_up_in_this_one(tmp_path):
     """On a GPU node the launcher warms the base model up in a spawned child (so that it never holds a CUDA context
     itself). The child's warm-up is the same deterministic training: run on the CPU here, both give the same
