@@ -57,8 +57,9 @@ HEAVY_RECIPE = ROOT / "recipes" / "counting_cpu.yaml"  # the heavier workload (a
 WORK_DIR = ROOT / "runs" / "vs_trl"
 SIDES = ("pipelinerl", "trl")
 HEAVY_PARAMS, HEAVY_TOKENS = 20_000_000, 128  # the issue's heavier workload, which has the 2x target
-# around the recipe's lr, more below it than above: TRL's loss is a mean over tokens, pipelinerl's recipe sums
-# each sample's tokens, so its gradients are larger and hit the clip sooner, and the two sides' best lrs differ
+# around the recipe's lr, more below it than above: a recipe whose loss sums each sample's tokens (ppo_clip's default
+# aggregation) has larger gradients than TRL's mean over tokens, which hit the clip sooner, so the sides' best lrs
+# can differ
 LR_GRID_FACTORS = (0.1, 1 / 3, 1.0, 3.0)
 TRL_MISSING = "trl is not installed (pip install -e '.[bench]')"
 
