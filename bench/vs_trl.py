@@ -17,12 +17,19 @@ far count.
   torch threads: 1 or the cores pipelinerl's engine and trainer compute with, whichever a short timed run of each
   finds faster (`probe_trl_threads`), unless --trl-threads says.
 
+Evaluation. Both sides' held-out evaluations are made by one function (`hf_evaluate`: transformers' sampling, the
+task's verifier, the seed recipe seed + step), so they differ only in the model evaluated. TRL evaluates in its
+process between steps. pipelinerl's run evaluates nothing itself: its trainer writes a Hugging Face export every
+--eval-every steps and after the last (`trainer.export_every`; the export's time stays on its clock), and the exports
+are evaluated after the run (`evaluate_exports`, step 0 being the base model). Evaluating inside pipelinerl's run
+would favour it: its actor keeps generating while its trainer evaluates (measured: 10-25% of the time to target).
+
 Clocks. Both start when the command is started (`launch_s`: imports, model loading and pipelinerl's engine start-up
 included; the shared base-model build is not) and both leave out the time of held-out evaluations, which only
 measure. The other clock (`train_s`) starts when training starts (pipelinerl: the trainer's clock, engines up;
-TRL: on_train_begin). One bias remains and is reported, not hidden: pipelinerl's actor keeps generating while its
-trainer evaluates, at most max_lag + 1 batches ahead, so each evaluation can save the run up to (max_lag + 1) step
-times; `pipelinerl_eval_overlap_bound_s` adds that up to the target and `ratio_worst_case` charges it all.
+TRL: on_train_begin). Where a pipelinerl run evaluated in its own run (results from before exports), its actor
+generated during evaluations, at most max_lag + 1 batches ahead; `pipelinerl_eval_overlap_bound_s` adds that up to
+the target and `ratio_worst_case` charges it all (with exports, both are 0 and the ratio itself).
 
 Result: target accuracy = base + --target-fraction (default 0.9) of the way from the base model's held-out accuracy
 (the mean of every run's step-0 evaluation) to the lower of the two sides' best final accuracies; for each run the
@@ -107,6 +114,7 @@ def pipelinerl_curves(rows: list[dict], seen_wall: list[float] | None = None,
     if seen_wall is not None and launch_wall is not None and rows:
         offset = min(seen - r["time"] for seen, r in zip(seen_wall, rows)) - launch_wall
     evals, steps, eval_total = [], [], 0.0
+    start = {"train_s": 0.0, **({"launch_s": offset} if offset is not None else {})}  # where step 0's model is
     for r in rows:
         train_s = r["time"] - eval_total
         clocks = {"train_s": train_s, **({"launch_s": offset + train_s} if offset is not None else {})}
@@ -115,7 +123,7 @@ def pipelinerl_curves(rows: list[dict], seen_wall: list[float] | None = None,
             eval_total += r.get("eval_seconds", 0.0)
         elif "samples_per_s" in r:
             steps.append({"step": r["step"], "samples": r.get("samples", 0), **clocks})
-    return {"evals": evals, "steps": steps, "eval_seconds_total": eval_total}
+    return {"evals": evals, "steps": steps, "eval_seconds_total": eval_total, "start": start}
 
 
 def seconds_per_step(steps: list[dict], skip_frac: float = 0.1) -> float | None:
@@ -373,6 +381,75 @@ class InProcessScorer:
         return [to_result(fn(item)) for item in items]
 
 
+def held_out_setup(cfg) -> tuple[Any, Callable[[dict], Any], list[dict], dict]:
+    """What a held-out evaluation of `cfg`'s task needs: the task, its verifier (task.reward_fn's replacement where
+    set), the held-out problems and evaluation's sampling as pipelinerl's trainer takes it (train.HeldOutEval,
+    not imported: its module would load pipelinerl's trainer): `eval.<x>` where set, else `sampling.<x>`."""
+    from pipelinerl.rewards.pool import resolve
+    from pipelinerl.tasks import task_from_config
+
+    task = task_from_config(cfg.task)
+    reward_fn = resolve(cfg.task.reward_fn) if cfg.task.reward_fn else task.reward_fn
+    e, s = cfg.eval, cfg.sampling
+    sampling = {"temperature": s.temperature if e.temperature is None else e.temperature,
+                "top_p": s.top_p if e.top_p is None else e.top_p, "top_k": s.top_k,
+                "max_new_tokens": s.max_new_tokens if e.max_new_tokens is None else e.max_new_tokens}
+    return task, reward_fn, task.eval_problems(), sampling
+
+
+def eval_worker(spec: dict) -> int:
+    """Held-out evaluations of saved models (in its own process, as TRL's side evaluates in its own): for each
+    [step, path] of spec["models"], `hf_evaluate` as TRL's side calls it at that step; a row per model to
+    spec["out"]."""
+    from pipelinerl.config import load_config
+
+    cfg = load_config(spec["recipe"], spec["overrides"])
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    task, reward_fn, held_out, sampling = held_out_setup(cfg)
+    with open(spec["out"], "w") as out:
+        for step, path in spec["models"]:
+            tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            t = time.monotonic()
+            result = hf_evaluate(model, tokenizer, task, held_out, InProcessScorer(), reward_fn, cfg.trainer.eval_k,
+                                 sampling["temperature"], sampling["top_p"], sampling["top_k"],
+                                 sampling["max_new_tokens"], seed=cfg.seed + step)
+            n = result["summary"]["samples_per_problem"]
+            out.write(json.dumps({"step": step, "eval_accuracy": result["summary"][f"avg@{n}"],
+                                  "eval_seconds": time.monotonic() - t}) + "\n")
+            out.flush()
+    return 0
+
+
+def evaluate_exports(recipe: Path, run_dir: Path, overrides: list[str], base: Path, curves: dict,
+                     threads: int) -> tuple[list[dict], float]:
+    """A pipelinerl run's held-out curve from its exports (RUN_DIR/exports/step_N, `trainer.export_every`) and the
+    base model as step 0, evaluated after the run by `eval_worker`; each point on the run's clocks at its step (the
+    row of step N, written before N's export). Returns (evals, evaluation seconds). The exports are deleted after."""
+    clocks = {0: curves["start"]}
+    for r in curves["steps"]:
+        clocks[r["step"]] = {k: r[k] for k in ("train_s", "launch_s") if k in r}
+    exports = sorted((int(p.name.removeprefix("step_")), p) for p in (run_dir / "exports").glob("step_*"))
+    models = [[0, str(base)], *[[step, str(p)] for step, p in exports if step in clocks]]
+    out = run_dir / "export_evals.jsonl"
+    spec = {"recipe": str(recipe), "overrides": overrides, "threads": threads, "models": models, "out": str(out)}
+    (run_dir / "eval_spec.json").write_text(json.dumps(spec, indent=1))
+    log = run_dir.parent / f"{run_dir.name}.eval.log"
+    with open(log, "wb") as f:
+        code = subprocess.call([sys.executable, "-m", "bench.vs_trl", "--eval-worker", str(run_dir / "eval_spec.json")],
+                               stdout=f, stderr=subprocess.STDOUT, env=subprocess_env(threads), cwd=ROOT)
+    if code != 0:
+        raise RuntimeError(f"evaluating the exports of {run_dir} failed (exit {code}); log {log}:\n{_tail(log)}")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    shutil.rmtree(run_dir / "exports", ignore_errors=True)  # 1 model per evaluation: disk a grid need not keep
+    evals = [{"step": r["step"], "accuracy": r["eval_accuracy"], **clocks[r["step"]]} for r in rows]
+    return evals, sum(r["eval_seconds"] for r in rows)
+
+
 def trl_worker(spec: dict) -> int:
     """One TRL run (in its own process, so that its threads, memory and imports are its own): writes
     RUN_DIR/trl_metrics.jsonl, a row per step and one per held-out evaluation, on the benchmark's clocks."""
@@ -387,27 +464,18 @@ def trl_worker(spec: dict) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
 
-    from pipelinerl.rewards.pool import resolve
     from pipelinerl.rewards.shaping import shape_reward
-    from pipelinerl.tasks import reward_item, task_from_config
+    from pipelinerl.tasks import reward_item
 
     run_dir = Path(spec["run_dir"])
-    task = task_from_config(cfg.task)
+    task, reward_fn, held_out, sampling = held_out_setup(cfg)
     if hasattr(task, "rollout"):
         raise ValueError(f"task {cfg.task.name}: multi-turn tasks have no TRL counterpart in this benchmark")
-    reward_fn = resolve(cfg.task.reward_fn) if cfg.task.reward_fn else task.reward_fn
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     eos = model.generation_config.eos_token_id
     eos_ids = set([eos] if isinstance(eos, int) else (eos or [tokenizer.eos_token_id]))
     train = Dataset.from_list([{"prompt": task.prompt(p), "problem": json.dumps(p)} for p in task.train_problems()])
-    held_out = task.eval_problems()
-    # evaluation's sampling as pipelinerl's trainer takes it (train.HeldOutEval.sampling, not imported: its module
-    # would load pipelinerl's trainer into this process): `eval.<x>` where set, else `sampling.<x>`
-    e, s = cfg.eval, cfg.sampling
-    sampling = {"temperature": s.temperature if e.temperature is None else e.temperature,
-                "top_p": s.top_p if e.top_p is None else e.top_p, "top_k": s.top_k,
-                "max_new_tokens": s.max_new_tokens if e.max_new_tokens is None else e.max_new_tokens}
     out = open(run_dir / "trl_metrics.jsonl", "a")
 
     def write(row: dict) -> None:
@@ -629,6 +697,9 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
             result_file = run_dir.with_name(run_dir.name + ".result.json")
             settings = {**same, **({"trl_threads": threads} if side == "trl" else {})}
             overrides = [*extra, *repeat, *common_overrides(base, lr, steps, eval_every)]
+            if side == "pipelinerl":  # evaluated after the run, from its exports (the module's docstring)
+                settings["pipelinerl_evaluation"] = "exports"
+                overrides += ["trainer.eval_every=0", f"trainer.export_every={eval_every}"]
             if side == "pipelinerl" and pipelinerl_extra:
                 settings["pipelinerl_extra"] = pipelinerl_extra
                 overrides += pipelinerl_extra
@@ -642,6 +713,9 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
                 load_before = os.getloadavg()[0]
                 if side == "pipelinerl":
                     result = run_pipelinerl(recipe, run_dir, overrides, limit)
+                    result["evals"], result["eval_seconds_total"] = evaluate_exports(
+                        recipe, run_dir, overrides, base, result, threads)
+                    result["evaluated"] = "exports"
                 else:
                     result = run_trl(recipe, run_dir, overrides + [f"run_dir={run_dir}"], lr, steps, eval_every,
                                      threads, limit)
@@ -651,8 +725,9 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
                        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
                 result_file.write_text(json.dumps({"settings": settings, "result": run}))
             runs.append(run)
-            final = run["evals"][-1]["accuracy"] if run["evals"] else float("nan")
-            print(f"[{name}]   held-out {run['evals'][0]['accuracy']:.3f} -> {final:.3f}"
+            start, final = ((run["evals"][0]["accuracy"], run["evals"][-1]["accuracy"]) if run["evals"]
+                            else (float("nan"), float("nan")))
+            print(f"[{name}]   held-out {start:.3f} -> {final:.3f}"
                   f"{' (stopped: ' + run['stopped'] + ')' if run.get('stopped') else ''}, "
                   f"{1000 * (run['seconds_per_step'] or float('nan')):.0f} ms/step, {run['wall_s']:.0f} s in all",
                   flush=True)
@@ -682,7 +757,8 @@ def summarise_workload(name: str, recipe: Path, cfg, runs: list[dict], params: i
     best_p = main.get("best", {}).get("pipelinerl")
     if best_p:
         run = next(r for r in runs if r["side"] == "pipelinerl" and r["lr"] == best_p["lr"])
-        evals_before = sum(1 for e in run["evals"] if e["launch_s"] < best_p["seconds_to_target"])
+        evals_before = 0 if run.get("evaluated") == "exports" else \
+            sum(1 for e in run["evals"] if e["launch_s"] < best_p["seconds_to_target"])
         overlap = evals_before * (cfg.actor.max_lag + 1) * (run["seconds_per_step"] or 0.0)
     ratio = main["ratio"]
     worst = None
@@ -697,7 +773,7 @@ def summarise_workload(name: str, recipe: Path, cfg, runs: list[dict], params: i
                 "seconds_per_step": r["seconds_per_step"], "samples_per_s": r["samples_per_s"],
                 "wall_s": round(r["wall_s"], 1), "eval_seconds_total": round(r["eval_seconds_total"], 1),
                 "output_tokens_mean": r.get("output_tokens_mean"), "load_average_1m_start_end": r["load_average_1m"],
-                "stopped": r.get("stopped"),
+                "stopped": r.get("stopped"), "evaluated": r.get("evaluated", "in the run"),
                 **({"groups_dropped_frac": r.get("groups_dropped_frac")} if r["side"] == "pipelinerl" else
                    {"groups_zero_std_frac": r.get("groups_zero_std_frac")}),
                 "log": r["log"]}
@@ -862,9 +938,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"the tiny recipe, {QUICK_STEPS} steps, one lr per "
                         "side: its best in the last full comparison (else the recipe's)")
     parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--eval-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
         return trl_worker(json.loads(Path(args.trl_worker).read_text()))
+    if args.eval_worker:
+        return eval_worker(json.loads(Path(args.eval_worker).read_text()))
     if not trl_available():
         print(f"python -m bench.vs_trl: {TRL_MISSING}", file=sys.stderr)
         return 2
@@ -902,7 +981,8 @@ def format_grid(result: dict) -> str:
     for r in result["grid"]:
         p = per_run.get((r["side"], r["lr"]), {})
         t = p.get("seconds_to_target")
-        lines.append(f"| {r['side']} | {r['lr']:g} | {r['held_out'][0][1]:.3f} -> {r['held_out'][-1][1]:.3f} | "
+        held_out = f"{r['held_out'][0][1]:.3f} -> {r['held_out'][-1][1]:.3f}" if r["held_out"] else "-"
+        lines.append(f"| {r['side']} | {r['lr']:g} | {held_out} | "
                      f"{'-' if t is None else f'{t:.0f}'} | {1000 * (r['seconds_per_step'] or 0):.0f} | "
                      f"{r['samples_per_s'] or 0:.0f} |")
     return "\n".join(lines)

@@ -253,6 +253,10 @@ class TrainerConfig:
     # before killing it
     stop_grace_s: float = 300.0
     eval_every: int = 0  # held-out evaluation every N steps (and before the first and after the last); 0 = off
+    # a Hugging Face export of the policy (as final_model) to RUN_DIR/exports/step_<N> every N steps and after the
+    # last; 0 = off. Each loads in any engine, `pipelinerl eval --model` or another harness, so a run can be
+    # evaluated after it ends, off its clock and without the engines' time (bench/vs_trl.py does so)
+    export_every: int = 0
     eval_k: int = 4  # samples per held-out problem (pass@1 is averaged over them)
     eval_greedy: bool = False  # one greedy sample per problem instead
     threads: int = 1  # CPU threads per trainer process
@@ -327,6 +331,7 @@ class TrainerConfig:
         _check(self.save_every >= 0, "trainer.save_every", "must be >= 0 (0: no checkpoint by step count)")
         _check(self.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0: none by time)")
         _check(self.keep_checkpoints >= 0, "trainer.keep_checkpoints", "must be >= 0 (0: keep all)")
+        _check(self.export_every >= 0, "trainer.export_every", "must be >= 0 (0: no exports during the run)")
         _check(self.stop_grace_s > 0, "trainer.stop_grace_s", "must be > 0")
         _check(self.temperature > 0, "trainer.temperature", "must be > 0 (log-probs of greedy decoding are undefined)")
         _check_choice(self.mixed_precision, ("auto", "no", "bf16"), "trainer.mixed_precision")

@@ -350,6 +350,13 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
                    "min_version_in_batch": min(s.oldest_version for s in batch),
                    **batch_metrics(batch), **stats}
             step_position = _position(feed, stale_dropped, started)
+            if cfg.trainer.export_every and (trainer.version % cfg.trainer.export_every == 0
+                                             or trainer.version == cfg.trainer.max_steps):
+                # on the run's clock (later rows' `time`); the actor generates meanwhile, as during an evaluation,
+                # but an export takes a small part of a step (`export_s`)
+                t = time.monotonic()
+                export_hf(trainer, run_dir / "exports" / f"step_{trainer.version}")
+                row["export_s"] = time.monotonic() - t
             if metrics:
                 metrics.write(row)
                 audit.write({"step": trainer.version, "trained": sorted({s.group_id for s in batch}),

@@ -35,6 +35,7 @@ def test_recipe_merges_onto_defaults_and_overrides_win(tmp_path):
     ("run_dir: a\nmodel: {path: m}\n", ["streams.backend=kafka"], ["streams.backend", "files, redis"]),
     ("run_dir: a\nmodel: {path: m}\n", ["streams.redis_url=localhost:6379"], ["streams.redis_url", "redis://"]),
     ("run_dir: a\nmodel: {path: m}\n", ["trainer.lr=-1"], ["trainer.lr", "> 0"]),
+    ("run_dir: a\nmodel: {path: m}\n", ["trainer.export_every=-1"], ["trainer.export_every", ">= 0"]),
     ("run_dir: a\n", [], ["model.path", "missing"]),
     ("model: {path: m}\n", [], ["run_dir", "missing"]),
     ("run_dir: a\nmodel: {path: m}\n", ["trainer.lr"], ["trainer.lr", "key=value"]),

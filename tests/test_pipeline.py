@@ -76,10 +76,23 @@ def test_pipelined_run_updates_engines_in_flight(tmp_path):
 
 
 def test_synchronous_mode_never_trains_on_stale_samples(tmp_path):
-    r = launch(tmp_path / "run", "trainer.max_steps=4", "actor.max_lag=0", "metrics.tensorboard=true")
+    r = launch(tmp_path / "run", "trainer.max_steps=4", "actor.max_lag=0", "metrics.tensorboard=true",
+               "trainer.export_every=3", "trainer.entropy_coef=0.01")  # (a gradient though every answer is wrong)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    # exports every 3 steps and after the last, each a model that loads; the last is the final model
+    exports = tmp_path / "run" / "exports"
+    assert sorted(p.name for p in exports.iterdir()) == ["step_3", "step_4"]
+    assert ["export_s" in row for row in rows] == [False, False, True, True]
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(exports / "step_3")
+    weights = {name: load_file(next((exports / name).glob("*.safetensors"))) for name in ("step_3", "step_4")}
+    final = load_file(next((tmp_path / "run" / "final_model").glob("*.safetensors")))
+    assert all(weights["step_4"][k].equal(v) for k, v in final.items())
+    assert any(not weights["step_3"][k].equal(v) for k, v in final.items()), "step 4 trained after step 3's export"
     assert all(row["lag_max"] == 0 and row["stale_dropped"] == 0 for row in rows)
     assert all(row["mixed_version_frac"] == 0 for row in rows)
     # the same numbers went to TensorBoard

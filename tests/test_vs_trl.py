@@ -46,6 +46,7 @@ def test_pipelinerl_clock_leaves_evaluations_out():
     assert out["eval_seconds_total"] == pytest.approx(5.0)
     # the start is estimated from the rows seen soonest after they were written: 10.2 s after the launch
     assert [e["launch_s"] for e in out["evals"]] == pytest.approx([10.7, 12.8])
+    assert out["start"] == pytest.approx({"train_s": 0.0, "launch_s": 10.2})  # step 0's model, for its exports
     assert seconds_per_step(out["steps"], skip_frac=0.0) == pytest.approx((3.6 - 1.5) / 2)
 
 
@@ -114,3 +115,27 @@ def test_trl_config_matches_the_recipe():
     # bf16 autocast on both sides or on neither
     cfg = load_config(ROOT / "recipes" / "tiny_cpu.yaml", ["run_dir=unused", "trainer.mixed_precision=bf16"])
     assert trl_config(cfg, 3e-3, 200, Path("/tmp/unused")).bf16
+
+
+def test_a_runs_exports_are_evaluated_after_it_at_their_steps_clocks(tmp_path):
+    import shutil
+
+    from bench.vs_trl import TINY_RECIPE, evaluate_exports
+    from pipelinerl.models.tiny import build_tiny_model
+
+    base = build_tiny_model(tmp_path / "base", hidden_size=32, num_layers=1, seed=1)
+    run_dir = tmp_path / "run"
+    for step, seed in ((2, 2), (4, 3), (6, 4)):  # step 6: exported by a run stopped before its row was written
+        build_tiny_model(run_dir / "exports" / f"step_{step}", hidden_size=32, num_layers=1, seed=seed)
+    curves = {"start": {"train_s": 0.0, "launch_s": 9.0},
+              "steps": [{"step": s, "samples": 8, "train_s": 1.5 * s, "launch_s": 9.0 + 1.5 * s} for s in (1, 2, 3, 4)]}
+    overrides = [f"run_dir={run_dir}", f"model.path={base}", "task.num_eval=8", "trainer.eval_k=2"]
+    evals, seconds = evaluate_exports(TINY_RECIPE, run_dir, overrides, base, curves, threads=1)
+    assert [(e["step"], e["train_s"], e["launch_s"]) for e in evals] == [(0, 0.0, 9.0), (2, 3.0, 12.0), (4, 6.0, 15.0)]
+    assert all(0.0 <= e["accuracy"] <= 1.0 for e in evals) and seconds > 0
+    assert not (run_dir / "exports").exists(), "evaluated exports are deleted"
+    # an export that does not load fails the benchmark, naming the worker's log
+    (run_dir / "exports" / "step_2").mkdir(parents=True)
+    shutil.copy(base / "config.json", run_dir / "exports" / "step_2")
+    with pytest.raises(RuntimeError, match=r"run\.eval\.log"):
+        evaluate_exports(TINY_RECIPE, run_dir, overrides, base, curves, threads=1)
