@@ -800,6 +800,8 @@ def summarise_workload(name: str, recipe: Path, cfg, runs: list[dict], params: i
                      "max_new_tokens": cfg.sampling.max_new_tokens, "trl_torch_threads": threads,
                      "pipelinerl_threads": f"{cfg.engine.threads} per engine, {cfg.trainer.threads} per trainer",
                      "clock": "launch_s: from the command's start, held-out evaluations left out (both sides)",
+                     "evaluation": "TRL: in its process between steps; pipelinerl: its exports, after the run "
+                                   "(each run's `evaluated`), both by hf_evaluate with seed + step",
                      "held_out": "[step, accuracy, launch_s, train_s]"},
         "machine": machine(),
     }
