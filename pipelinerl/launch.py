@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,6 +85,10 @@ def prepare_model(cfg: RunConfig) -> Path:
     from pipelinerl.tasks import task_from_config
 
     print(f"building a tiny model in {path} (seed {seed})")
+    # built beside the cache and swapped in whole at the end: a build that is stopped or fails (minutes of warm-up
+    # on a CPU) leaves the model cached before it, under its own marker, instead of new weights under an old marker
+    building = path.with_name(f".{path.name}.building")
+    shutil.rmtree(building, ignore_errors=True)
     torch.set_num_threads(max(1, cfg.engine.threads + cfg.trainer.threads))
     task = task_from_config(t)
     target = getattr(task, "target", None)  # the warm-up's supervised answers, where the task has them
@@ -93,13 +98,13 @@ def prepare_model(cfg: RunConfig) -> Path:
 
         texts = [task.prompt(p) + (target(p) if target and m.warmup_steps else "") for p in task.train_problems()]
         tokenizer = build_bpe_tokenizer(texts, m.tiny_vocab_size)
-    build_tiny_model(path, hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers, seed=seed,
+    build_tiny_model(building, hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers, seed=seed,
                      max_positions=max(1024, cfg.engine.max_model_len), tokenizer=tokenizer)
     if m.warmup_steps > 0:
         if target is None:
             raise ConfigError(f"model.warmup_steps: task {t.name!r} has no supervised targets; set it to 0")
         examples = [(task.prompt(p), target(p)) for p in task.train_problems()]
-        args = (str(path), examples, m.warmup_steps, m.warmup_batch_size, m.warmup_lr, seed)
+        args = (str(building), examples, m.warmup_steps, m.warmup_batch_size, m.warmup_lr, seed)
         if torch.cuda.is_available():
             # On GPU 0, before any engine or trainer holds it: seconds where the node's CPU took minutes (float32
             # either way). In a child process, so that this launcher, which lives as long as the run, never holds
@@ -108,8 +113,20 @@ def prepare_model(cfg: RunConfig) -> Path:
             run_in_child(warm_up_saved_model, *args, "cuda")
         else:
             warm_up_saved_model(*args)
-    marker.write_text(json.dumps(settings))
+    (building / marker.name).write_text(json.dumps(settings))
+    replace_dir(building, path)
     return path
+
+
+def replace_dir(new: Path, path: Path) -> None:
+    """Put directory `new` at `path`, removing what was there. Stopped between its two renames, `path` is missing
+    (rebuilt by the next run), never half old and half new."""
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    new.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class Engines:

@@ -124,6 +124,53 @@ def test_model_seed_keeps_the_cached_base_model_for_a_run_with_another_seed(tmp_
     assert any(not rebuilt[k].equal(weights[k]) for k in weights)
 
 
+def test_a_base_model_build_killed_midway_leaves_the_cached_model_as_it_was(tmp_path):
+    """A rebuild (here: other warm-up settings) killed during its warm-up keeps the previous model and marker, so a
+    run with the previous settings still uses them, and a rerun with the new ones builds the model whole."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    from pipelinerl.launch import prepare_model
+
+    base = tmp_path / "base_model"
+    settings = [f"run_dir={tmp_path}", f"model.path={base}", "model.tiny_hidden_size=32", "model.warmup_steps=2"]
+    prepare_model(load_config(RECIPES / "tiny_cpu.yaml", settings))
+    weights = load_file(base / "model.safetensors")
+    marker = (base / "pipelinerl_base_model.json").read_text()
+
+    longer = [*settings, "model.warmup_steps=100000"]
+    script = ("import sys; from pipelinerl.config import load_config; from pipelinerl.launch import prepare_model; "
+              f"prepare_model(load_config({str(RECIPES / 'tiny_cpu.yaml')!r}, sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", script, *longer], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    building = tmp_path / ".base_model.building"
+    try:
+        deadline = time.monotonic() + 120
+        while not (building / "model.safetensors").exists():  # the new model is written; its warm-up runs
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "the rebuild never wrote its model"
+            time.sleep(0.05)
+        time.sleep(1.0)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    kept = load_file(base / "model.safetensors")
+    assert all(kept[k].equal(weights[k]) for k in weights)
+    assert (base / "pipelinerl_base_model.json").read_text() == marker
+    prepare_model(load_config(RECIPES / "tiny_cpu.yaml", settings))  # the cache, as it was
+    assert all(load_file(base / "model.safetensors")[k].equal(weights[k]) for k in weights)
+
+    prepare_model(load_config(RECIPES / "tiny_cpu.yaml", [*settings, "model.warmup_steps=3"]))
+    assert json.loads((base / "pipelinerl_base_model.json").read_text())["warmup_steps"] == 3
+    assert any(not load_file(base / "model.safetensors")[k].equal(weights[k]) for k in weights)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # nothing left beside it
+
+
 def test_the_warm_up_in_a_child_process_gives_the_model_of_the_warm_up_in_this_one(tmp_path):
     """On a GPU node the launcher warms the base model up in a spawned child (so that it never holds a CUDA context
     itself). The child's warm-up is the same deterministic training: run on the CPU here, both give the same
