@@ -28,7 +28,7 @@ from pathlib import Path
 from pipelinerl.config import RunConfig, load_config
 from pipelinerl.contracts.inference import GenerateRequest, GenerateResponse, SamplingParams
 from pipelinerl.engines.client import AsyncEngineClient
-from pipelinerl.procs import role_arguments
+from pipelinerl.procs import engine_urls, role_arguments
 from pipelinerl.rewards import RewardPool, RewardResult
 from pipelinerl.rewards.pool import resolve
 from pipelinerl.rewards.shaping import shape_reward
@@ -309,7 +309,7 @@ class Actor:
 
 def main(argv: list[str] | None = None) -> int:
     args = role_arguments("actor", __doc__.splitlines()[0], argv)
-    actor = Actor(load_config(args.config), args.engines)
+    actor = Actor(load_config(args.config), engine_urls(args.engines))
     signal.signal(signal.SIGTERM, lambda *_: setattr(actor, "done", True))
     try:
         asyncio.run(actor.run())

@@ -52,6 +52,7 @@ from pipelinerl.procs import (
     tail,
     tool_command,
     wait_for_port,
+    write_engine_urls,
 )
 from pipelinerl.streams import StreamBackendError, check_backend, reset_stream
 
@@ -173,15 +174,18 @@ class Engines:
     def urls(self) -> list[str]:
         return [c.url for c in self.clients]
 
-    def wait_healthy(self, timeout_s: float = 900) -> None:
-        """Learn each engine's port (it binds a free one when engine.base_port is 0), then wait for health."""
+    def wait_healthy(self, timeout_s: float = 900, check: Callable[[], None] | None = None) -> None:
+        """Learn each engine's port (it binds a free one when engine.base_port is 0), then wait for health.
+        `check` is called while waiting: what it raises (a role started meanwhile that failed) ends the wait."""
         deadline = time.monotonic() + timeout_s
         for name, proc, log, port_file in zip(self.names, self.procs, self.logs, self.port_files):
             try:
-                port = wait_for_port(port_file, proc, deadline - time.monotonic())
+                port = wait_for_port(port_file, proc, deadline - time.monotonic(), check=check)
                 client = EngineClient(f"http://{self.host}:{port}")
                 self.clients.append(client)
-                client.wait_healthy(max(1.0, deadline - time.monotonic()), process=proc)
+                client.wait_healthy(max(1.0, deadline - time.monotonic()), process=proc, check=check)
+            except ChildFailed:
+                raise
             except (RuntimeError, TimeoutError) as e:
                 raise RuntimeError(f"{name}: {e}\n--- last lines of {log} ---\n{tail(log)}") from e
 
@@ -289,38 +293,46 @@ def trainer_env(plan: NodePlan) -> dict[str, str]:
     return gpu_env(plan.trainer_gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def run_pipeline(cfg: RunConfig, urls: list[str], run_dir: Path, plan: NodePlan, check: Callable[[], None],
-                 engine_pids: dict[str, int], trainer_port: int = 0) -> None:
-    """Start the trainer and the actor beside the engines, show progress, stop everything at the end.
-    `check` raises when an engine (on any node) is gone. `trainer_port`: where the trainer processes of all
-    trainer nodes meet (trainer.num_nodes > 1)."""
+def start_roles(cfg: RunConfig, engines: str, run_dir: Path, plan: NodePlan, trainer_port: int = 0
+                ) -> dict[str, subprocess.Popen]:
+    """Start the trainer and the actor. `engines`: their `--engines` argument, the engine URLs or `@FILE` (they
+    load their models and wait for the file, which `run_main_node` writes once every engine answers).
+    `trainer_port`: where the trainer processes of all trainer nodes meet (trainer.num_nodes > 1)."""
     config = str(run_dir / "config.yaml")
     reset_stream(cfg.streams, run_dir, "control")  # control messages are per launch
     # a resumed run redoes the steps after its checkpoint: their old rows go now, before progress reads the file
-    resumed_at = resumed_version(run_dir)
-    continue_metrics(run_dir, resumed_at)
-    joined = ",".join(urls)
+    continue_metrics(run_dir, resumed_version(run_dir))
     gpus = plan.trainer_gpus
     no_gpu = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}  # the actor and reward workers never need one
-    trainer = trainer_command(cfg, config, joined, len(gpus), 0, plan.node.master_addr, trainer_port)
+    trainer = trainer_command(cfg, config, engines, len(gpus), 0, plan.node.master_addr, trainer_port)
     roles = {
         "trainer": (trainer, cfg.trainer.threads, trainer_env(plan)),
-        "actor": ([sys.executable, "-m", "pipelinerl.actor", config, "--engines", joined], 1, no_gpu),
+        "actor": ([sys.executable, "-m", "pipelinerl.actor", config, "--engines", engines], 1, no_gpu),
     }
-    children = {name: start_process(cmd, run_dir / "logs" / f"{name}.log", threads=threads, env=env)
-                for name, (cmd, threads, env) in roles.items()}
-    (run_dir / "pids.json").write_text(json.dumps({name: p.pid for name, p in children.items()} | engine_pids))
+    return {name: start_process(cmd, run_dir / "logs" / f"{name}.log", threads=threads, env=env)
+            for name, (cmd, threads, env) in roles.items()}
+
+
+def check_roles(children: dict[str, subprocess.Popen], run_dir: Path) -> None:
+    """Raise ChildFailed naming a role that exited with an error, with its log's last lines."""
+    for name, proc in children.items():
+        code = proc.poll()
+        if code is not None and code != 0:  # the actor exits 0 on the trainer's "done"
+            log = run_dir / "logs" / f"{name}.log"
+            raise ChildFailed(f"{name} exited with code {code}\n--- last lines of {log} ---\n{tail(log)}")
+
+
+def follow_pipeline(cfg: RunConfig, children: dict[str, subprocess.Popen], urls: list[str], run_dir: Path,
+                    check: Callable[[], None]) -> None:
+    """Show progress until the trainer finishes; then record what the engines saw. `check` raises when an engine
+    (on any node) is gone."""
     metrics_path = run_dir / "metrics.jsonl"
     _, offset = _new_rows(metrics_path, 0)  # a resumed run: show only new steps
-    progress = Progress(cfg.trainer.max_steps, cfg.metrics.log_every_s, resumed_at=resumed_at)
+    progress = Progress(cfg.trainer.max_steps, cfg.metrics.log_every_s, resumed_at=resumed_version(run_dir))
     try:
         while True:
             check()
-            for name, proc in children.items():
-                code = proc.poll()
-                if code is not None and code != 0:  # the actor exits 0 on the trainer's "done"
-                    log = run_dir / "logs" / f"{name}.log"
-                    raise ChildFailed(f"{name} exited with code {code}\n--- last lines of {log} ---\n{tail(log)}")
+            check_roles(children, run_dir)
             rows, offset = _new_rows(metrics_path, offset)
             for row in rows:
                 progress.show(row)
@@ -336,10 +348,20 @@ def run_pipeline(cfg: RunConfig, urls: list[str], run_dir: Path, plan: NodePlan,
             time.sleep(0.5)
     finally:
         progress.close()
-        # the trainer first, given time to save a checkpoint (it saves on SIGTERM), then the actor
+
+
+def write_pids(run_dir: Path, processes: dict[str, subprocess.Popen | int]) -> None:
+    """RUN_DIR/pids.json: the process ids of the run's roles and engines on this node, for whoever must signal one."""
+    pids = {name: p if isinstance(p, int) else p.pid for name, p in processes.items()}
+    (run_dir / "pids.json").write_text(json.dumps(pids))
+
+
+def stop_roles(cfg: RunConfig, children: dict[str, subprocess.Popen]) -> None:
+    """The trainer first, given time to save a checkpoint (it saves on SIGTERM), then the actor."""
+    if "trainer" in children:
         stop_process(children["trainer"], timeout_s=cfg.trainer.stop_grace_s)
-        for proc in children.values():
-            stop_process(proc)
+    for proc in children.values():
+        stop_process(proc)
 
 
 def node_api_key(run_dir: Path) -> str:
@@ -561,10 +583,21 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
         if rendezvous:
             rendezvous.model_ready(str(model_path))
         print(plan.describe())
+        urls_file = run_dir / "logs" / "engine_urls"
+        urls_file.unlink(missing_ok=True)  # a previous launch's engines had other ports
         engines = Engines(cfg, model_path, plan.engines, run_dir / "logs")
+        children: dict[str, subprocess.Popen] = {}
         try:
             print(f"starting {len(plan.engines)} {cfg.engine.kind} engine(s); logs in {run_dir / 'logs'}")
-            engines.wait_healthy()
+            # the trainer and the actor import and load their models while the engines load theirs, then wait for
+            # the engines' URLs. Not when a trainer of several nodes (its other nodes need the URLs to start), nor
+            # when engines share the trainer's GPUs: vLLM sizes its KV cache from the memory it sees used on its GPU
+            # while it starts, which a trainer loading beside it would change under it
+            early = cfg.trainer.num_nodes == 1 and not (cfg.engine.colocate_with_trainer and plan.trainer_gpus)
+            if early:
+                children = start_roles(cfg, f"@{urls_file}", run_dir, plan)
+                write_pids(run_dir, children | engines.pids)
+            engines.wait_healthy(check=lambda: check_roles(children, run_dir))
             urls, check, trainer_port = engines.urls, engines.check, 0
             if rendezvous:
                 urls = rendezvous.gather_engines(urls, engines.check)
@@ -577,13 +610,18 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
                     engines.check()
                     rendezvous.raise_if_failed()
                     rendezvous.check_nodes()
-            run_pipeline(cfg, urls, run_dir, plan, check, engine_pids=engines.pids, trainer_port=trainer_port)
+            write_engine_urls(urls_file, urls)
+            if not early:
+                children = start_roles(cfg, ",".join(urls), run_dir, plan, trainer_port)
+                write_pids(run_dir, children | engines.pids)
+            follow_pipeline(cfg, children, urls, run_dir, check)
         except (RuntimeError, TimeoutError) as e:
             if rendezvous and isinstance(e, ChildFailed):
                 e = rendezvous.root_cause(e)
             print(f"pipelinerl: run failed: {e}", file=sys.stderr)
             return 1
         finally:
+            stop_roles(cfg, children)
             engines.stop()
         report(run_dir)
         ok = True

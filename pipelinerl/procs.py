@@ -78,10 +78,14 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
         proc.wait(timeout=timeout_s)
 
 
-def wait_for_port(port_file: str | Path, proc: subprocess.Popen, timeout_s: float) -> int:
-    """The port a server started with `--port-file` reports once it listens; raises if it exits or times out."""
+def wait_for_port(port_file: str | Path, proc: subprocess.Popen, timeout_s: float,
+                  check: Callable[[], None] | None = None) -> int:
+    """The port a server started with `--port-file` reports once it listens; raises if it exits or times out, or
+    what `check` (called while waiting) raises."""
     path, deadline = Path(port_file), time.monotonic() + timeout_s
     while not path.exists():
+        if check is not None:
+            check()
         if proc.poll() is not None:
             raise RuntimeError(f"exited with code {proc.returncode} before listening")
         if time.monotonic() > deadline:
@@ -105,13 +109,41 @@ def role_arguments(role: str, description: str, argv: list[str] | None = None):
 
     parser = argparse.ArgumentParser(prog=f"python -m pipelinerl.{role}", description=description)
     parser.add_argument("config", help="the run's resolved config.yaml")
-    parser.add_argument("--engines", required=True, help="comma-separated engine URLs")
+    parser.add_argument("--engines", required=True,
+                        help="comma-separated engine URLs, or @FILE: a file of them that the launcher writes once "
+                             "every engine answers (see engine_urls)")
     args = parser.parse_args(argv)
     die_with_parent()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.basicConfig(level="INFO", format=f"%(asctime)s {role} %(levelname)s %(message)s")
-    args.engines = args.engines.split(",")
     return args
+
+
+def write_engine_urls(path: Path, urls: Sequence[str]) -> None:
+    """Tell the roles waiting on `--engines @path` where the engines are (written whole: a reader never sees part)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(",".join(urls))
+    tmp.replace(path)
+
+
+def engine_urls(spec: str, should_stop: Callable[[], bool] = lambda: False, timeout_s: float = 900.0
+                ) -> list[str] | None:
+    """The engines a role talks to, from its `--engines` argument: comma-separated URLs, or `@FILE`. With a file
+    the launcher starts the role while the engines load their models, so that the role imports and loads its own
+    meanwhile, and writes the file when every engine answers; this waits for it. None when `should_stop` says so
+    first; TimeoutError after `timeout_s`."""
+    if not spec.startswith("@"):
+        return spec.split(",")
+    path = Path(spec[1:])
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if should_stop():
+            return None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no engine URLs in {path} after {timeout_s:.0f} s: the launcher writes them when "
+                               "every engine answers (see the engine logs beside this one)")
+        time.sleep(0.05)
+    return path.read_text().split(",")
 
 
 def tool_command(module: str, *args: str) -> list[str]:

@@ -28,6 +28,7 @@ from pipelinerl.contracts.trainer import BroadcastStats
 from pipelinerl.engines.client import EngineError
 from pipelinerl.metrics import JsonlAppender, MetricsSink, continue_metrics
 from pipelinerl.placement import detect_gpus
+from pipelinerl.procs import engine_urls as engine_urls_of
 from pipelinerl.procs import role_arguments
 from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
@@ -260,9 +261,9 @@ def batch_metrics(batch: list[Sample]) -> dict[str, float]:
     return row
 
 
-def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = None) -> int:
+def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
     """Train until `trainer.max_steps` (returns 0) or until a stop signal (returns 128 + its number), saving a
-    checkpoint either way."""
+    checkpoint either way. `engines`: as `--engines` (URLs, or `@FILE` to wait for once the model is loaded)."""
     stop = stop or StopSignals()
     run_dir = Path(cfg.run_dir)
     trainer = Trainer(cfg.model.path, cfg.trainer, cfg.weight_sync, cfg.model.dtype, cfg.seed)
@@ -287,6 +288,15 @@ def train(cfg: RunConfig, engine_urls: list[str], stop: StopSignals | None = Non
         continue_metrics(run_dir, trainer.version, AUDIT_FILE)
         audit = JsonlAppender(run_dir / AUDIT_FILE)
     checkpoints = Checkpoints(trainer, run_dir, saved_version=trainer.version)
+    # the launcher starts this process while the engines load their models: the work above overlapped theirs
+    engine_urls = engine_urls_of(engines, lambda: stop.requested)
+    if engine_urls is None:
+        log.warning("stopped by %s before the engines answered", signal.Signals(stop.signum).name)
+        if metrics:
+            metrics.close()
+            audit.close()
+        trainer.close()
+        return 128 + stop.signum
     # every tensor-parallel worker of an engine is a rank of the weight-update group
     group = trainer.connect_engines(engine_urls, ranks_per_engine=cfg.engine.tensor_parallel_size)
     if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights

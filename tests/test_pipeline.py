@@ -132,6 +132,30 @@ def test_a_dead_child_stops_the_run_naming_it(tmp_path):
             os.kill(pid, 0)
 
 
+def test_the_trainer_starts_while_the_engines_load_and_its_death_then_stops_the_run(tmp_path):
+    """The launcher starts the trainer and the actor beside the engines (they load their models meanwhile and wait
+    for the engines' URLs); a trainer that dies before the engines answer stops the run at once, naming it."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(run_args(run_dir, "trainer.max_steps=1000"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 180
+    while not (run_dir / "pids.json").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    pids = json.loads((run_dir / "pids.json").read_text())
+    # the engine writes its port file once it listens, seconds after it started (imports, model)
+    assert not (run_dir / "logs" / "engine0.port").exists() and {"trainer", "actor", "engine0"} <= pids.keys()
+    os.kill(pids["trainer"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "trainer exited with code -9" in err and "last lines of" in err
+    assert not (run_dir / "metrics.jsonl").exists()
+    for pid in pids.values():  # nothing is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout_s: float = 240) -> None:
     deadline = time.monotonic() + timeout_s
     while True:

@@ -268,3 +268,22 @@ def test_trainer_command_for_a_share_of_a_trainer_over_several_nodes():
     assert "--multi_gpu" in gpu and "--deepspeed_multinode_launcher" not in gpu
     zero3 = cmd(4, "trainer.num_processes=8", "trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml")
     assert value(zero3, "--deepspeed_multinode_launcher") == "standard"  # not pdsh: each node starts its own share
+
+
+def test_roles_wait_for_the_engine_urls_the_launcher_writes_once_the_engines_answer(tmp_path):
+    import threading
+    import time
+
+    from pipelinerl.procs import engine_urls, write_engine_urls
+
+    assert engine_urls("http://a:1,http://b:2") == ["http://a:1", "http://b:2"]
+    path = tmp_path / "engine_urls"
+    threading.Timer(0.3, write_engine_urls, (path, ["http://127.0.0.1:5", "http://127.0.0.1:6"])).start()
+    start = time.monotonic()
+    assert engine_urls(f"@{path}") == ["http://127.0.0.1:5", "http://127.0.0.1:6"]
+    assert time.monotonic() - start >= 0.25
+    assert [p.name for p in tmp_path.iterdir()] == ["engine_urls"]  # written whole, nothing left beside it
+    # a stop while waiting returns None; no file in time names the file
+    assert engine_urls(f"@{tmp_path / 'never'}", should_stop=lambda: True) is None
+    with pytest.raises(TimeoutError, match="never"):
+        engine_urls(f"@{tmp_path / 'never'}", timeout_s=0.2)

@@ -74,10 +74,13 @@ class EngineClient:
         except httpx.HTTPError:
             return False
 
-    def wait_healthy(self, timeout_s: float = 120.0, process: Any = None) -> None:
-        """Poll /v1/health; fail early if `process` (a Popen) exits."""
+    def wait_healthy(self, timeout_s: float = 120.0, process: Any = None, check: Callable[[], None] | None = None
+                     ) -> None:
+        """Poll /v1/health; fail early if `process` (a Popen) exits, or with what `check` raises (called each poll)."""
         deadline = time.monotonic() + timeout_s
         while not self.health():
+            if check is not None:
+                check()
             if process is not None and process.poll() is not None:
                 raise RuntimeError(f"engine at {self.url} exited with code {process.returncode} before healthy")
             if time.monotonic() > deadline:
