@@ -119,6 +119,16 @@ def role_arguments(role: str, description: str, argv: list[str] | None = None):
     return args
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), imports included; None elsewhere."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def write_engine_urls(path: Path, urls: Sequence[str]) -> None:
     """Tell the roles waiting on `--engines @path` where the engines are (written whole: a reader never sees part)."""
     tmp = path.with_name(f".{path.name}.tmp")

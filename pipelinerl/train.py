@@ -29,7 +29,7 @@ from pipelinerl.engines.client import EngineError
 from pipelinerl.metrics import JsonlAppender, MetricsSink, continue_metrics
 from pipelinerl.placement import detect_gpus
 from pipelinerl.procs import engine_urls as engine_urls_of
-from pipelinerl.procs import role_arguments
+from pipelinerl.procs import process_age_s, role_arguments
 from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.trainer import Trainer
@@ -289,6 +289,7 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
         audit = JsonlAppender(run_dir / AUDIT_FILE)
     checkpoints = Checkpoints(trainer, run_dir, saved_version=trainer.version)
     # the launcher starts this process while the engines load their models: the work above overlapped theirs
+    ready_s, waited = process_age_s(), time.monotonic()
     engine_urls = engine_urls_of(engines, lambda: stop.requested)
     if engine_urls is None:
         log.warning("stopped by %s before the engines answered", signal.Signals(stop.signum).name)
@@ -297,6 +298,9 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
             audit.close()
         trainer.close()
         return 128 + stop.signum
+    if ready_s is not None and main:
+        log.info("set up in %.1f s from the process's start (imports, model, optimizer), then waited %.1f s for "
+                 "the engines", ready_s, time.monotonic() - waited)
     # every tensor-parallel worker of an engine is a rank of the weight-update group
     group = trainer.connect_engines(engine_urls, ranks_per_engine=cfg.engine.tensor_parallel_size)
     if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights

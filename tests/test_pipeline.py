@@ -67,6 +67,10 @@ def test_pipelined_run_updates_engines_in_flight(tmp_path):
     assert all(key not in p.read_text(errors="replace") for p in [run_dir / "config.yaml",
                                                                   *(run_dir / "logs").glob("*.log")])
     assert "API key required" in (run_dir / "logs" / "engine0.log").read_text()
+    # the trainer says how long it took to set up (beside the engine's start) and then waited (bench/startup.py)
+    from bench.startup import SETUP
+
+    assert SETUP.search((run_dir / "logs" / "trainer.log").read_text())
     assert key not in r.stdout + r.stderr
     # a rerun in the same directory resumes from the last checkpoint and continues the version sequence
     r = launch(run_dir, *in_flight, "trainer.max_steps=14")
