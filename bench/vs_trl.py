@@ -187,6 +187,14 @@ def common_overrides(base_model: Path, lr: float, steps: int, eval_every: int) -
             "trainer.save_every=0", "trainer.save_every_minutes=0"]
 
 
+def run_cost_s(run: dict) -> float:
+    """The wall time a finished run took, its held-out evaluations included: TRL evaluates inside its run,
+    pipelinerl (`evaluated: exports`) after it. The default budget of the next run is a multiple of the longest, so
+    a TRL run that evaluates often is not stopped for the time pipelinerl spent evaluating outside its run."""
+    after = (run.get("eval_seconds_total") or 0.0) if run.get("evaluated") == "exports" else 0.0
+    return run["wall_s"] + after
+
+
 def prepare_base_model(recipe: Path, path: Path, extra: Sequence[str] = ()) -> Path:
     """The recipe's base model: the model it names, or (`model.init: tiny`) a tiny model and its supervised warm-up,
     built once by the launcher's own code and cached in `path` (its marker file says with which settings; a changed
@@ -708,7 +716,7 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
             if run:
                 print(f"[{name}] {side} lr {lr:g}: reusing {result_file}", flush=True)
             else:
-                limit = budget_s or (3 * max(r["wall_s"] for r in runs) if runs else 24 * 3600.0)
+                limit = budget_s or (3 * max(run_cost_s(r) for r in runs) if runs else 24 * 3600.0)
                 print(f"[{name}] {side} lr {lr:g}: {steps} steps, held-out evaluation every {eval_every}, "
                       f"stopped after {limit:.0f} s", flush=True)
                 load_before = os.getloadavg()[0]

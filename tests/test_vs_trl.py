@@ -14,6 +14,7 @@ from bench.vs_trl import (
     is_heavy,
     lr_grid,
     pipelinerl_curves,
+    run_cost_s,
     seconds_per_step,
     time_to_accuracy,
 )
@@ -139,3 +140,12 @@ def test_a_runs_exports_are_evaluated_after_it_at_their_steps_clocks(tmp_path):
     shutil.copy(base / "config.json", run_dir / "exports" / "step_2")
     with pytest.raises(RuntimeError, match=r"run\.eval\.log"):
         evaluate_exports(TINY_RECIPE, run_dir, overrides, base, curves, threads=1)
+
+
+def test_a_runs_cost_counts_its_evaluations_wherever_they_ran():
+    """The next run's default budget is 3x the costliest run so far: pipelinerl's evaluations after its run count,
+    as TRL's inside its run do (a TRL run evaluating every 5 steps was stopped at 3x pipelinerl's bare 215 s)."""
+    pipelinerl = {"wall_s": 215.0, "eval_seconds_total": 230.0, "evaluated": "exports"}
+    trl = {"wall_s": 640.0, "eval_seconds_total": 250.0, "evaluated": "in the run"}
+    assert run_cost_s(pipelinerl) == 445.0 and run_cost_s(trl) == 640.0
+    assert 3 * run_cost_s(pipelinerl) > run_cost_s(trl)
