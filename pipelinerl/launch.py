@@ -350,10 +350,9 @@ def follow_pipeline(cfg: RunConfig, children: dict[str, subprocess.Popen], urls:
         progress.close()
 
 
-def write_pids(run_dir: Path, processes: dict[str, subprocess.Popen | int]) -> None:
+def write_pids(run_dir: Path, roles: dict[str, subprocess.Popen], engine_pids: dict[str, int]) -> None:
     """RUN_DIR/pids.json: the process ids of the run's roles and engines on this node, for whoever must signal one."""
-    pids = {name: p if isinstance(p, int) else p.pid for name, p in processes.items()}
-    (run_dir / "pids.json").write_text(json.dumps(pids))
+    (run_dir / "pids.json").write_text(json.dumps({name: p.pid for name, p in roles.items()} | engine_pids))
 
 
 def stop_roles(cfg: RunConfig, children: dict[str, subprocess.Popen]) -> None:
@@ -596,7 +595,7 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
             early = cfg.trainer.num_nodes == 1 and not (cfg.engine.colocate_with_trainer and plan.trainer_gpus)
             if early:
                 children = start_roles(cfg, f"@{urls_file}", run_dir, plan)
-                write_pids(run_dir, children | engines.pids)
+                write_pids(run_dir, children, engines.pids)
             engines.wait_healthy(check=lambda: check_roles(children, run_dir))
             urls, check, trainer_port = engines.urls, engines.check, 0
             if rendezvous:
@@ -613,7 +612,7 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
             write_engine_urls(urls_file, urls)
             if not early:
                 children = start_roles(cfg, ",".join(urls), run_dir, plan, trainer_port)
-                write_pids(run_dir, children | engines.pids)
+                write_pids(run_dir, children, engines.pids)
             follow_pipeline(cfg, children, urls, run_dir, check)
         except (RuntimeError, TimeoutError) as e:
             if rendezvous and isinstance(e, ChildFailed):
