@@ -38,7 +38,16 @@ time to reach it, interpolated linearly between the evaluations around the first
 / pipelinerl's best time. Targets: 1x on a small workload, 2x on a heavy one (a model of at least 20M parameters and
 at least 128 new tokens per answer). Writes bench/results/vs_trl_<recipe>.json and .png (held-out accuracy
 against wall-clock seconds and against steps, every run of the grid, each side's best drawn bold); runs of another
-length than the recipe's (--steps, --quick) or with --set overrides are written under their own names."""
+length than the recipe's (--steps, --quick) or with --set overrides are written under their own names.
+
+Seeds (--seeds 0,1,2,...). One run's time to a target is placed by the evaluation that first crosses it, and near
+the top of a learning curve that is as much sampling noise and the run's own luck as speed: the same comparison
+gave 1.2x to 4.7x from seed to seed on the heavier workload. With --seeds the comparison runs once per seed
+(`--seed` each, so each seed's files stay its own and --reuse reads back the seeds already run), then judges the
+seeds' mean curves (`pool_seeds`: each side's held-out accuracy and clock averaged over the seeds at each step they
+all evaluated) by the same `analyse`. That ratio is held against the target; beside it, each seed's own ratio and
+the 5th-95th percentiles of the pooled ratio over seeds resampled with replacement (`seed_bootstrap`). Writes
+vs_trl_<workload>-seeds<a>_<b>_....json and .png (the mean curves bold, each seed's thin)."""
 
 from __future__ import annotations
 
@@ -166,6 +175,59 @@ def analyse(runs: list[dict], target_fraction: float = 0.9, clock: str = "launch
     if "pipelinerl" in best and "trl" in best and best["pipelinerl"]["seconds_to_target"] > 0:
         ratio = best["trl"]["seconds_to_target"] / best["pipelinerl"]["seconds_to_target"]
     return {**out, "target_accuracy": target, "per_run": per_run, "best": best, "ratio": ratio}
+
+
+def grid_runs(result: dict) -> list[dict]:
+    """A saved result's grid (rows of [step, accuracy, launch_s, train_s]) as runs for `analyse`."""
+    return [{"side": r["side"], "lr": r["lr"],
+             "evals": [{"step": s, "accuracy": a, "launch_s": t, "train_s": u} for s, a, t, u in r["held_out"]]}
+            for r in result["grid"]]
+
+
+def pool_seeds(grids: Sequence[Sequence[dict]]) -> list[dict]:
+    """Several seeds' grids of runs as one grid of mean curves: for each (side, lr) that every seed ran, the held-out
+    accuracy averaged over the seeds at each step that every seed's run evaluated, at the mean of their clocks there.
+
+    One seed's time to a target is decided by the evaluation that first crosses it, and each evaluation carries
+    sampling noise (about 0.02 on 400 answers) as well as the run's own luck; the mean curve of n seeds carries
+    1/sqrt(n) of it, so `analyse` of the pooled grid estimates the expected time to the expected accuracy."""
+    if not grids:
+        return []
+    keys = [(r["side"], r["lr"]) for r in grids[0]]
+    pooled = []
+    for side, lr in keys:
+        runs = [next((r for r in grid if (r["side"], r["lr"]) == (side, lr)), None) for grid in grids]
+        if any(r is None or not r["evals"] for r in runs):
+            continue
+        by_step = [{e["step"]: e for e in r["evals"]} for r in runs]
+        steps = sorted(set.intersection(*(set(b) for b in by_step)))
+        evals = [{"step": step, **{k: sum(b[step][k] for b in by_step) / len(by_step)
+                                   for k in ("accuracy", "launch_s", "train_s")}} for step in steps]
+        pooled.append({"side": side, "lr": lr, "evals": evals})
+    return pooled
+
+
+def seed_bootstrap(grids: Sequence[Sequence[dict]], target_fraction: float = 0.9, draws: int = 2000,
+                   rng_seed: int = 0) -> dict:
+    """How much the pooled ratio depends on which seeds ran: `analyse(pool_seeds(...))` over `draws` resamples of
+    the seeds with replacement (a seed's two sides stay together). Returns the 5th, 50th and 95th percentiles of
+    the ratio and how many resamples had none (a side never reached the target)."""
+    import random
+
+    rng = random.Random(rng_seed)
+    ratios: list[float] = []
+    for _ in range(draws):
+        pick = [grids[rng.randrange(len(grids))] for _ in grids]
+        ratio = analyse(pool_seeds(pick), target_fraction)["ratio"]
+        if ratio is not None:
+            ratios.append(ratio)
+    ratios.sort()
+
+    def percentile(q: float) -> float | None:
+        return ratios[min(len(ratios) - 1, int(q * len(ratios)))] if ratios else None
+
+    return {"draws": draws, "without_ratio": draws - len(ratios), "p05": percentile(0.05), "p50": percentile(0.5),
+            "p95": percentile(0.95)}
 
 
 def is_heavy(params: int, max_new_tokens: int) -> bool:
@@ -655,6 +717,7 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
     own = f"-p{hashlib.sha1(' '.join(pipelinerl_extra).encode()).hexdigest()[:8]}" if pipelinerl_extra else ""
     # a repeat with another seed: the runs' seed changes, the base model's stays the recipe's (model.seed)
     repeat = [] if seed is None or seed == cfg.seed else [f"seed={seed}", f"model.seed={cfg.seed}"]
+    family = work.name + variant + own  # the name of this comparison's seeds pooled (`compare_seeds`)
     variant += f"-seed{seed}" if repeat else ""
     label = work.name + variant + own
     t_base = time.perf_counter()
@@ -747,6 +810,7 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
     result["settings"]["pipelinerl_threads"] = (f"{own_cfg.engine.threads} per engine, "
                                                 f"{own_cfg.trainer.threads} per trainer")
     result["base_model"] = {"path": str(base), "parameters": params, "seconds_to_prepare": round(base_seconds, 1)}
+    result["seeds_family"] = family
     out_dir.mkdir(parents=True, exist_ok=True)
     result["png"] = str(plot_workload(label, runs, result, out_dir / f"vs_trl_{label}.png"))
     result["json"] = str(out_dir / f"vs_trl_{label}.json")
@@ -814,6 +878,116 @@ def summarise_workload(name: str, recipe: Path, cfg, runs: list[dict], params: i
                      "held_out": "[step, accuracy, launch_s, train_s]"},
         "machine": machine(),
     }
+
+
+def compare_seeds(recipe: Path, seeds: Sequence[int], target_fraction: float = 0.9, out_dir: Path = RESULTS_DIR,
+                  **kwargs: Any) -> dict:
+    """`compare_workload` once per seed, then the seeds pooled (`summarise_seeds`); writes
+    vs_trl_<workload>-seeds<a>_<b>_....json and .png beside each seed's own files. `kwargs` go to compare_workload
+    (with --reuse, the seeds already run are read back, so seeds can be added one invocation at a time)."""
+    per_seed = [compare_workload(recipe, target_fraction=target_fraction, out_dir=out_dir, seed=seed, **kwargs)
+                for seed in seeds]
+    result = summarise_seeds(per_seed, list(seeds), target_fraction)
+    label = result["workload"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result["png"] = str(plot_seeds(label, per_seed, result, out_dir / f"vs_trl_{label}.png"))
+    result["json"] = str(out_dir / f"vs_trl_{label}.json")
+    Path(result["json"]).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def summarise_seeds(per_seed: Sequence[dict], seeds: Sequence[int], target_fraction: float = 0.9) -> dict:
+    """The verdict over several seeds of one comparison (each a `compare_workload` result): the ratio on the
+    seeds' mean curves (`pool_seeds`), with its spread over resampled seeds (`seed_bootstrap`), and each seed's own
+    ratio beside it. The pooled ratio is the one held against the target."""
+    grids = [grid_runs(r) for r in per_seed]
+    pooled = pool_seeds(grids)
+    main = analyse(pooled, target_fraction)
+    first = per_seed[0]
+    ratio, target_ratio = main["ratio"], first["target"]
+    best = main.get("best", {})
+    label = f"{first['seeds_family']}-seeds{'_'.join(str(s) for s in seeds)}"
+    seed_ratios = [r["ratio"] for r in per_seed]
+    known = sorted(x for x in seed_ratios if x is not None)
+    median = (known[len(known) // 2] if len(known) % 2 else sum(known[len(known) // 2 - 1:len(known) // 2 + 1]) / 2
+              ) if known else None
+    spread = seed_bootstrap(grids, target_fraction)
+    summary = (f"{label}: mean curves of {len(seeds)} seeds, TRL {_fmt_s(best.get('trl'))} vs pipelinerl "
+               f"{_fmt_s(best.get('pipelinerl'))} to held-out {_fmt_acc(main.get('target_accuracy'))}"
+               + (f" (ratio {ratio:.2f}; 90% of resampled seeds {spread['p05']:.2f}-{spread['p95']:.2f}; each seed "
+                  f"{', '.join('-' if x is None else f'{x:.2f}' for x in seed_ratios)})" if ratio is not None
+                  else f" ({main.get('why', 'a side never reached it')})"))
+    return {
+        "workload": label, "recipe": first["recipe"], "heavy": first["heavy"], "seeds": list(seeds),
+        "ratio": ratio, "target": target_ratio, "passed": bool(ratio is not None and ratio >= target_ratio),
+        "ratio_is": "TRL / pipelinerl seconds to the target on each side's mean held-out curve over the seeds",
+        "summary": summary, "target_accuracy": main.get("target_accuracy"), "base_accuracy": main["base_accuracy"],
+        "best_final_accuracy": main["best_final_accuracy"], "target_fraction": target_fraction,
+        "seconds_to_target": {side: (best[side]["seconds_to_target"] if side in best else None) for side in SIDES},
+        "best_lr": {side: (best[side]["lr"] if side in best else None) for side in SIDES},
+        "ratio_by_target_fraction": {f"{f:g}": analyse(pooled, f)["ratio"] for f in (0.5, 0.75, 1.0)},
+        "ratio_seed_bootstrap": spread, "ratio_per_seed": dict(zip((str(s) for s in seeds), seed_ratios)),
+        "ratio_per_seed_median": median,
+        "per_run_to_target": main.get("per_run"),
+        "grid": [{"side": r["side"], "lr": r["lr"],
+                  "held_out": [[e["step"], round(e["accuracy"], 4), round(e["launch_s"], 1), round(e["train_s"], 1)]
+                               for e in r["evals"]],
+                  "seconds_per_step": _mean([row["seconds_per_step"] for res in per_seed for row in res["grid"]
+                                             if (row["side"], row["lr"]) == (r["side"], r["lr"])]),
+                  "samples_per_s": _mean([row["samples_per_s"] for res in per_seed for row in res["grid"]
+                                          if (row["side"], row["lr"]) == (r["side"], r["lr"])])}
+                 for r in pooled],
+        "per_seed_json": [r.get("json") for r in per_seed],
+        "settings": {**{k: v for k, v in first["settings"].items() if k != "seed"},
+                     "pooling": "mean held-out accuracy and mean clock over the seeds, at the steps every seed's "
+                                "run evaluated; spread: 2000 resamples of the seeds with replacement"},
+        "machine": first["machine"],
+    }
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def plot_seeds(name: str, per_seed: Sequence[dict], result: dict, out: Path) -> Path:
+    """Each side's mean held-out curve over the seeds (bold) and every seed's own (thin), against wall-clock seconds
+    and against steps; the target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"pipelinerl": "tab:blue", "trl": "tab:orange"}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for res in per_seed:
+        for r in res["grid"]:
+            if r["lr"] != result["best_lr"].get(r["side"]):
+                continue
+            for ax, col in zip(axes, (2, 0)):
+                ax.plot([h[col] for h in r["held_out"]], [h[1] for h in r["held_out"]], color=colors[r["side"]],
+                        lw=0.8, alpha=0.35)
+    for r in result["grid"]:
+        if r["lr"] != result["best_lr"].get(r["side"]):
+            continue
+        label = f"{r['side']} lr {r['lr']:g}, mean of {len(per_seed)} seeds"
+        for ax, col in zip(axes, (2, 0)):
+            ax.plot([h[col] for h in r["held_out"]], [h[1] for h in r["held_out"]], color=colors[r["side"]], lw=2.4,
+                    marker="o", ms=3, label=label)
+    for ax, xlabel in zip(axes, ("seconds since the command started (held-out evaluations left out)", "step")):
+        if result.get("target_accuracy") is not None:
+            ax.axhline(result["target_accuracy"], color="gray", ls="--", lw=1, label="target")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out pass@1 (temperature 1)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    ratio = result.get("ratio")
+    fig.suptitle(f"{name}: pipelinerl vs TRL GRPOTrainer" + (f", TRL time / pipelinerl time = {ratio:.2f} on the mean "
+                                                             "curves" if ratio is not None else ""))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def _fmt_s(best: dict | None) -> str:
@@ -941,6 +1115,8 @@ def main(argv: list[str] | None = None) -> int:
                              "actor.dynamic_sampling=true; TRL's runs and the base model stay as without it")
     parser.add_argument("--seed", type=int, default=None, help="both sides' runs with this seed (default: the "
                         "recipe's): a repeat from the same base model, its runs and results named apart")
+    parser.add_argument("--seeds", default="", help="comma-separated seeds: the comparison once per seed, then "
+                        "judged on each side's mean curve over them (with --reuse, seeds already run are read back)")
     parser.add_argument("--reuse", action="store_true", help="take each run's result from an earlier invocation "
                         "with the same settings where one is saved (runs/vs_trl/<recipe>/*.result.json)")
     parser.add_argument("--run-budget-s", type=float, default=None, help="stop a run after this many seconds "
@@ -951,6 +1127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--eval-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.seeds and (args.seed is not None or args.only or args.quick):
+        parser.error("--seeds runs both sides of the full comparison once per seed: not with --seed, --only or "
+                     "--quick")
     if args.trl_worker:
         return trl_worker(json.loads(Path(args.trl_worker).read_text()))
     if args.eval_worker:
@@ -970,9 +1149,14 @@ def main(argv: list[str] | None = None) -> int:
                    "trl": _floats(args.lrs_trl) or lr_grid(recipe_lr)}
             if args.only:
                 lrs = {args.only: lrs[args.only]}
-            result = compare_workload(recipe, lrs, args.steps, args.eval_every, args.target_fraction,
-                                      args.trl_threads, args.set, args.reuse, args.run_budget_s,
-                                      pipelinerl_extra=args.set_pipelinerl, seed=args.seed)
+            common = {"lrs": lrs, "steps": args.steps, "eval_every": args.eval_every,
+                      "trl_threads": args.trl_threads, "extra": args.set, "reuse": args.reuse,
+                      "budget_s": args.run_budget_s, "pipelinerl_extra": args.set_pipelinerl}
+            if args.seeds:
+                result = compare_seeds(recipe, [int(s) for s in args.seeds.split(",") if s], args.target_fraction,
+                                       **common)
+            else:
+                result = compare_workload(recipe, target_fraction=args.target_fraction, seed=args.seed, **common)
             results[result["workload"]] = result
         out = combine(results)
     for name, r in out["workloads"].items():

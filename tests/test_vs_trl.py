@@ -13,9 +13,13 @@ from bench.vs_trl import (
     diverged,
     is_heavy,
     lr_grid,
+    main,
     pipelinerl_curves,
+    pool_seeds,
     run_cost_s,
     seconds_per_step,
+    seed_bootstrap,
+    summarise_seeds,
     time_to_accuracy,
 )
 
@@ -149,3 +153,65 @@ def test_a_runs_cost_counts_its_evaluations_wherever_they_ran():
     trl = {"wall_s": 640.0, "eval_seconds_total": 250.0, "evaluated": "in the run"}
     assert run_cost_s(pipelinerl) == 445.0 and run_cost_s(trl) == 640.0
     assert 3 * run_cost_s(pipelinerl) > run_cost_s(trl)
+
+
+def _seed_result(noise: float, seed: int) -> dict:
+    """A compare_workload result whose two sides learn the same per step (0.60 -> 0.80 -> 0.85 -> 0.86, every 10
+    steps) while pipelinerl's steps take 2 s and TRL's 4 s (both start at 0 s), plus `noise` on one step-10
+    evaluation: pipelinerl's up, TRL's down, as one evaluation's sampling noise can fall."""
+    def row(side: str, s_per_step: float, bump: float) -> dict:
+        curve = [(0, 0.60), (10, 0.80 + bump), (20, 0.85), (30, 0.86)]
+        return {"side": side, "lr": 1e-4, "held_out": [[k, a, k * s_per_step, k * s_per_step] for k, a in curve],
+                "seconds_per_step": s_per_step, "samples_per_s": 32 / s_per_step}
+    return {"workload": f"w-seed{seed}", "seeds_family": "w", "recipe": "recipes/counting_cpu.yaml", "heavy": True,
+            "target": 2.0, "ratio": None, "settings": {"steps": 30, "eval_every": 10, "seed": seed},
+            "machine": {}, "grid": [row("pipelinerl", 2.0, noise), row("trl", 4.0, -noise)], "json": f"s{seed}.json"}
+
+
+def test_pooled_seeds_cancel_one_evaluations_noise_that_decides_each_seeds_ratio():
+    """Each seed's time to the target is placed by the evaluation that first crosses it, so one evaluation's
+    noise decides a seed's ratio; on the seeds' mean curves the noise of opposite sign cancels and the ratio is the
+    true one: pipelinerl's step is twice as fast and it learns as much per step, so 2.0."""
+    seeds = [_seed_result(+0.03, 0), _seed_result(-0.03, 1)]
+    for r in seeds:
+        r["ratio"] = analyse([{"side": g["side"], "lr": g["lr"], "evals": [
+            {"step": h[0], "accuracy": h[1], "launch_s": h[2], "train_s": h[3]} for h in g["held_out"]]}
+            for g in r["grid"]])["ratio"]
+    assert seeds[0]["ratio"] > 2.5 and seeds[1]["ratio"] < 1.7  # one evaluation's noise, either way
+    out = summarise_seeds(seeds, [0, 1])
+    assert out["ratio"] == pytest.approx(2.0) and out["passed"]
+    assert out["workload"] == "w-seeds0_1"
+    assert out["ratio_per_seed"] == {"0": seeds[0]["ratio"], "1": seeds[1]["ratio"]}
+    assert out["ratio_per_seed_median"] == pytest.approx((seeds[0]["ratio"] + seeds[1]["ratio"]) / 2)
+    pooled = {r["side"]: r for r in out["grid"]}
+    assert [h[1] for h in pooled["pipelinerl"]["held_out"]] == pytest.approx([0.60, 0.80, 0.85, 0.86])
+    assert pooled["trl"]["seconds_per_step"] == 4.0
+    # resampling the seeds: a draw of seed 0 twice gives its ratio, of seed 1 twice its ratio, so the spread
+    # covers both
+    spread = out["ratio_seed_bootstrap"]
+    assert spread["p05"] == pytest.approx(seeds[1]["ratio"]) and spread["p95"] == pytest.approx(seeds[0]["ratio"])
+    assert spread["without_ratio"] == 0
+
+
+def test_pool_seeds_keeps_the_steps_and_runs_every_seed_has():
+    a = [{"side": "trl", "lr": 1e-4, "evals": [{"step": s, "accuracy": acc, "launch_s": t, "train_s": t - 4}
+                                                for s, acc, t in [(0, 0.6, 4), (5, 0.7, 34), (10, 0.8, 64)]]},
+         {"side": "trl", "lr": 3e-4, "evals": [{"step": 0, "accuracy": 0.6, "launch_s": 4, "train_s": 0}]}]
+    b = [{"side": "trl", "lr": 1e-4, "evals": [{"step": s, "accuracy": acc, "launch_s": t, "train_s": t - 6}
+                                                for s, acc, t in [(0, 0.7, 6), (10, 0.9, 70)]]}]
+    pooled = pool_seeds([a, b])
+    assert [(r["side"], r["lr"]) for r in pooled] == [("trl", 1e-4)]  # lr 3e-4 ran in one seed only
+    assert [e["step"] for e in pooled[0]["evals"]] == [0, 10]  # step 5 was evaluated in one seed only
+    assert [e["accuracy"] for e in pooled[0]["evals"]] == pytest.approx([0.65, 0.85])
+    assert [e["launch_s"] for e in pooled[0]["evals"]] == pytest.approx([5, 67])
+    assert [e["train_s"] for e in pooled[0]["evals"]] == pytest.approx([0, 62])
+    same = [_run("pipelinerl", 1e-4, [(0, 0.6, 5), (10, 0.8, 25)]), _run("trl", 1e-4, [(0, 0.6, 2), (10, 0.8, 42)])]
+    spread = seed_bootstrap([same, same, same], draws=50)
+    assert spread["p05"] == spread["p95"] == pytest.approx(analyse(same)["ratio"])
+
+
+def test_seeds_option_runs_whole_comparisons_only():
+    for bad in (["--seeds", "0,1", "--seed", "2"], ["--seeds", "0,1", "--only", "trl"], ["--seeds", "0", "--quick"]):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2
