@@ -298,10 +298,27 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 # --- pipelinerl side ------------------------------------------------------------------------------------------------
 
+STALL_MARK = "dynamic sampling dropped"  # how pipelinerl's actor says it stopped a run (pipelinerl/actor.py)
+
+
+def stall_reason(log_text: str) -> str | None:
+    """Why a pipelinerl run that exited non-zero stopped, where its actor stopped it because dynamic sampling
+    dropped `actor.max_dropped_in_a_row` groups in a row (a policy that gets whole groups right or wrong, as a
+    run late in training at a high lr does): "stalled: dynamic sampling dropped N groups in a row". Such a run is
+    reported as stopped, its evaluations so far counting, as a diverged one is; any other failure is None (an
+    error)."""
+    for line in reversed(log_text.splitlines()):
+        at = line.find(STALL_MARK)
+        if at >= 0:
+            return "stalled: " + line[at:].split(" (", 1)[0]
+    return None
+
+
 def run_pipelinerl(recipe: Path, run_dir: Path, overrides: list[str], budget_s: float) -> dict:
     """`pipelinerl run` as a user runs it; its metrics.jsonl is followed while it runs so that every row gets the
     wall time it appeared at (the launch clock). A run that diverges (`diverged`) or outlives `budget_s` is stopped
-    as a user would stop it (SIGTERM: the launcher stops every process of the run) and reported with `stopped`."""
+    as a user would stop it (SIGTERM: the launcher stops every process of the run) and reported with `stopped`, as
+    is one its actor stopped for dynamic sampling's stall (`stall_reason`); any other failure raises."""
     shutil.rmtree(run_dir, ignore_errors=True)  # a rerun in the same directory would resume, not start over
     run_dir.mkdir(parents=True)
     log = run_dir.parent / f"{run_dir.name}.log"
@@ -341,7 +358,10 @@ def run_pipelinerl(recipe: Path, run_dir: Path, overrides: list[str], budget_s: 
                 proc.wait(60)
     wall = time.time() - launch_wall
     if proc.returncode != 0 and not stopped:
-        raise RuntimeError(f"pipelinerl run in {run_dir} failed (exit {proc.returncode}); log {log}:\n{_tail(log)}")
+        stopped = stall_reason(log.read_text(errors="replace"))
+        if not stopped:
+            raise RuntimeError(f"pipelinerl run in {run_dir} failed (exit {proc.returncode}); log {log}:\n"
+                               f"{_tail(log)}")
     curves = pipelinerl_curves(rows, seen, launch_wall)
     actor = [json.loads(line) for line in (run_dir / "actor_metrics.jsonl").read_text().splitlines()] \
         if (run_dir / "actor_metrics.jsonl").exists() else []

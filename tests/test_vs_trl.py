@@ -19,6 +19,7 @@ from bench.vs_trl import (
     run_cost_s,
     seconds_per_step,
     seed_bootstrap,
+    stall_reason,
     summarise_seeds,
     time_to_accuracy,
 )
@@ -215,3 +216,25 @@ def test_seeds_option_runs_whole_comparisons_only():
         with pytest.raises(SystemExit) as e:
             main(bad)
         assert e.value.code == 2
+
+
+def test_a_run_its_actor_stopped_for_dynamic_samplings_stall_counts_as_stopped(tmp_path, tiny_model_dir):
+    """The tiny recipe at lr 1e-3 ended with about 7% of its groups kept, and its actor stopped it at step 856 of
+    1000 (80 groups dropped in a row): the comparison counts its evaluations so far, as a diverged run's, where it
+    used to fail as a whole. The message is the actor's own; any other failure stays an error."""
+    from pipelinerl.actor import Actor
+    from pipelinerl.config import load_config
+    from pipelinerl.rewards import RewardResult
+
+    cfg = load_config(None, [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "sampling.group_size=2",
+                             "trainer.samples_per_step=2", "actor.dynamic_sampling=true",
+                             "actor.max_dropped_in_a_row=2"])
+    actor = Actor(cfg, [])
+    wrong = RewardResult(0.0, {"correct": 0.0})
+    for _ in range(2):
+        actor._stream_group([actor._sample("g", [1, 2], [5], [-0.5], [0], "stop", wrong, {}) for _ in range(2)])
+    actor.samples.close()
+    assert actor.stalled
+    log = f"node 0 of 1\npipelinerl: run failed: actor exited with code 1\n2026-11-27 actor ERROR {actor.stalled}\n"
+    assert stall_reason(log) == "stalled: dynamic sampling dropped 2 groups in a row"
+    assert stall_reason("pipelinerl: run failed: trainer exited with code -9\n") is None
