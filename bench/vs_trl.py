@@ -994,6 +994,13 @@ def plot_seeds(name: str, per_seed: Sequence[dict], result: dict, out: Path) -> 
         for ax, col in zip(axes, (2, 0)):
             ax.plot([h[col] for h in r["held_out"]], [h[1] for h in r["held_out"]], color=colors[r["side"]], lw=2.4,
                     marker="o", ms=3, label=label)
+    return _finish_plot(fig, axes, name, result, out, " on the mean curves")
+
+
+def _finish_plot(fig: Any, axes: Any, name: str, result: dict, out: Path, ratio_note: str = "") -> Path:
+    """The two panels' target line, labels and title (the ratio, with `ratio_note`), saved to `out`."""
+    import matplotlib.pyplot as plt
+
     for ax, xlabel in zip(axes, ("seconds since the command started (held-out evaluations left out)", "step")):
         if result.get("target_accuracy") is not None:
             ax.axhline(result["target_accuracy"], color="gray", ls="--", lw=1, label="target")
@@ -1002,8 +1009,8 @@ def plot_seeds(name: str, per_seed: Sequence[dict], result: dict, out: Path) -> 
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     ratio = result.get("ratio")
-    fig.suptitle(f"{name}: pipelinerl vs TRL GRPOTrainer" + (f", TRL time / pipelinerl time = {ratio:.2f} on the mean "
-                                                             "curves" if ratio is not None else ""))
+    fig.suptitle(f"{name}: pipelinerl vs TRL GRPOTrainer" + (f", TRL time / pipelinerl time = {ratio:.2f}{ratio_note}"
+                                                             if ratio is not None else ""))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -1036,20 +1043,7 @@ def plot_workload(name: str, runs: list[dict], result: dict, out: Path) -> Path:
                  "marker": "o", "ms": 3 if bold else 2}
         axes[0].plot([e["launch_s"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]], label=label, **style)
         axes[1].plot([e["step"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]], label=label, **style)
-    for ax, xlabel in zip(axes, ("seconds since the command started (held-out evaluations left out)", "step")):
-        if result.get("target_accuracy") is not None:
-            ax.axhline(result["target_accuracy"], color="gray", ls="--", lw=1, label="target")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out pass@1 (temperature 1)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    ratio = result.get("ratio")
-    fig.suptitle(f"{name}: pipelinerl vs TRL GRPOTrainer" + (f", TRL time / pipelinerl time = {ratio:.2f}"
-                                                             if ratio is not None else ""))
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _finish_plot(fig, axes, name, result, out)
 
 
 # --- entry points ---------------------------------------------------------------------------------------------------
