@@ -65,7 +65,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, cached_base_model, machine, subprocess_env
+from bench.common import RESULTS_DIR, cached_base_model, machine, median, subprocess_env
 
 NAME = "vs_trl"
 ROOT = Path(__file__).resolve().parents[1]
@@ -928,9 +928,7 @@ def summarise_seeds(per_seed: Sequence[dict], seeds: Sequence[int], target_fract
     best = main.get("best", {})
     label = f"{first['seeds_family']}-seeds{'_'.join(str(s) for s in seeds)}"
     seed_ratios = [r["ratio"] for r in per_seed]
-    known = sorted(x for x in seed_ratios if x is not None)
-    median = (known[len(known) // 2] if len(known) % 2 else sum(known[len(known) // 2 - 1:len(known) // 2 + 1]) / 2
-              ) if known else None
+    known = [x for x in seed_ratios if x is not None]
     spread = seed_bootstrap(grids, target_fraction)
     summary = (f"{label}: mean curves of {len(seeds)} seeds, TRL {_fmt_s(best.get('trl'))} vs pipelinerl "
                f"{_fmt_s(best.get('pipelinerl'))} to held-out {_fmt_acc(main.get('target_accuracy'))}"
@@ -947,15 +945,14 @@ def summarise_seeds(per_seed: Sequence[dict], seeds: Sequence[int], target_fract
         "best_lr": {side: (best[side]["lr"] if side in best else None) for side in SIDES},
         "ratio_by_target_fraction": {f"{f:g}": analyse(pooled, f)["ratio"] for f in (0.5, 0.75, 1.0)},
         "ratio_seed_bootstrap": spread, "ratio_per_seed": dict(zip((str(s) for s in seeds), seed_ratios)),
-        "ratio_per_seed_median": median,
+        "ratio_per_seed_median": median(known) if known else None,
         "per_run_to_target": main.get("per_run"),
         "grid": [{"side": r["side"], "lr": r["lr"],
                   "held_out": [[e["step"], round(e["accuracy"], 4), round(e["launch_s"], 1), round(e["train_s"], 1)]
                                for e in r["evals"]],
-                  "seconds_per_step": _mean([row["seconds_per_step"] for res in per_seed for row in res["grid"]
-                                             if (row["side"], row["lr"]) == (r["side"], r["lr"])]),
-                  "samples_per_s": _mean([row["samples_per_s"] for res in per_seed for row in res["grid"]
-                                          if (row["side"], row["lr"]) == (r["side"], r["lr"])])}
+                  **{key: _mean([row[key] for res in per_seed for row in res["grid"]
+                                 if (row["side"], row["lr"]) == (r["side"], r["lr"])])
+                     for key in ("seconds_per_step", "samples_per_s")}}
                  for r in pooled],
         "per_seed_json": [r.get("json") for r in per_seed],
         "settings": {**{k: v for k, v in first["settings"].items() if k != "seed"},

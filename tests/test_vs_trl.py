@@ -11,6 +11,7 @@ from bench.vs_trl import (
     analyse,
     common_overrides,
     diverged,
+    grid_runs,
     is_heavy,
     lr_grid,
     main,
@@ -175,9 +176,7 @@ def test_pooled_seeds_cancel_one_evaluations_noise_that_decides_each_seeds_ratio
     true one: pipelinerl's step is twice as fast and it learns as much per step, so 2.0."""
     seeds = [_seed_result(+0.03, 0), _seed_result(-0.03, 1)]
     for r in seeds:
-        r["ratio"] = analyse([{"side": g["side"], "lr": g["lr"], "evals": [
-            {"step": h[0], "accuracy": h[1], "launch_s": h[2], "train_s": h[3]} for h in g["held_out"]]}
-            for g in r["grid"]])["ratio"]
+        r["ratio"] = analyse(grid_runs(r))["ratio"]
     assert seeds[0]["ratio"] > 2.5 and seeds[1]["ratio"] < 1.7  # one evaluation's noise, either way
     out = summarise_seeds(seeds, [0, 1])
     assert out["ratio"] == pytest.approx(2.0) and out["passed"]
