@@ -456,8 +456,10 @@ def test_transposed_weight_copies_follow_every_update(tiny_model_dir, tmp_path, 
                 with ThreadPoolExecutor(1) as pool:
                     running = pool.submit(client.generate, PROMPT, temperature=0, max_new_tokens=steps,
                                           ignore_eos=True)
-                    wait_until(lambda: client.metrics()["pipelinerl_running_seqs"] > 0, "a sequence running",
-                               poll_s=0.01)
+                    # or already finished: on a loaded machine the poll can miss the whole generation; the
+                    # push then lands on an idle engine, which the checks below take as such
+                    wait_until(lambda r=running: r.done() or client.metrics()["pipelinerl_running_seqs"] > 0,
+                               "a sequence running", poll_s=0.01)
                     trainer.push(state)
                     at_return = relayouts()
                     out = running.result(timeout=60).completions[0]
