@@ -121,7 +121,13 @@ class Actor:
                 if time.monotonic() - last_report > 5:
                     self._report()
                     last_report = time.monotonic()
-                await asyncio.sleep(0.02)
+                # wake as soon as a group finishes (its place goes to the next group at once: on a small model a
+                # group takes tens of ms, and a fixed sleep left the engine short of work), or to read the trainer's
+                # control messages, which lift the max_lag bound
+                if tasks:
+                    await asyncio.wait(tasks, timeout=0.02, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(0.02)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
