@@ -209,3 +209,88 @@ def test_auto_attention_takes_padded_rows_only_where_they_cost_less():
     assert rows.shape == (4, 7)
     assert rows[1].tolist() == [11, 2, 33, 0, 0, 0, 0]  # right-padded
     assert rows.view(-1)[index].tolist() == [t for s in SEQUENCES for t in s]
+
+
+# --------------------------------------------------------------------------------------------- shared prompts
+
+# two groups (prompts [3, 17, 22] and [7, 50]) and a sequence of its own; the first group's third answer follows
+# the lone sequence, so it opens a tree again
+SHARED = [[3, 17, 22, 9, 41], [3, 17, 22, 5], [3, 17, 22, 60, 8, 2], [7, 50, 21], [7, 50, 19, 4], [11, 2, 33],
+          [3, 17, 22, 44]]
+SHARED_PROMPTS = [3, 3, 3, 2, 2, 2, 3]
+
+
+def test_shared_prompt_batch_by_hand():
+    batch = build_packed_batch([[5, 6, 7, 8], [5, 6, 9], [5, 1, 2]], prompt_lengths=[2, 2, 2],
+                               token_fields={"m": [[False, False, True, True], [False, False, True],
+                                                   [False, False, True]]})
+    # the second sequence shares [5, 6]; the third's prompt [5, 1] differs: a tree of its own
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9, 5, 1, 2]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2]]
+    assert batch.seq_ids.tolist() == [0, 0, 0, 0, 1, 2, 2, 2]
+    assert batch.tree_ids.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert batch.shared.tolist() == [True, True, False, False, False, False, False, False]
+    assert batch.prev_index.tolist() == [-1, 0, 1, 2, 1, 4, 5, 6]  # token 9 comes after the prompt's 6
+    assert batch.lengths == [4, 1, 3] and batch.cu_seqlens.tolist() == [0, 4, 5, 8]
+    assert batch.fields["m"].tolist() == [False, False, True, True, True, False, False, True]
+    mask = packed_causal_mask(batch.seq_ids, batch.tree_ids, batch.shared)[0, 0]
+    assert mask[4].tolist() == [True, True, False, False, True, False, False, False]  # 9 sees the prompt only
+    assert mask[3].tolist() == [True, True, True, True, False, False, False, False]
+    assert mask[7].tolist() == [False] * 5 + [True] * 3
+    with pytest.raises(ValueError, match="sample 1: prompt length 5"):
+        build_packed_batch([[1, 2], [1, 2, 3]], prompt_lengths=[1, 5])
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_shared_prompts_give_the_unshared_logprobs_and_gradients(models, impl):
+    """The same log-probs, entropies and gradients as every sequence packed whole, from fewer tokens; a changed
+    answer changes nothing of its group's other answers (they do not see each other)."""
+    from pipelinerl.rl.packing import packed_logprobs_and_entropy
+
+    model = models[impl]
+    weights = [torch.tensor([0.0] * p + [1.0 + 0.1 * j for j in range(len(s) - p)])
+               for s, p in zip(SHARED, SHARED_PROMPTS, strict=True)]
+
+    def run(batch):
+        model.zero_grad()
+        lps, entropy = packed_logprobs_and_entropy(model, batch, temperature=0.9)
+        (batch.fields["w"] * lps).sum().backward()
+        answers = batch.fields["w"] > 0
+        per_seq = [(lps[answers & (batch.seq_ids == i)].detach(), entropy[answers & (batch.seq_ids == i)])
+                   for i in range(len(SHARED))]
+        return per_seq, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    whole, whole_grads = run(build_packed_batch(SHARED, {"w": weights}))
+    shared_batch = build_packed_batch(SHARED, {"w": weights}, prompt_lengths=SHARED_PROMPTS)
+    assert shared_batch.input_ids.shape[1] == sum(map(len, SHARED)) - 3 - 3 - 2  # three prompts not repeated
+    shared, shared_grads = run(shared_batch)
+    for (lp_a, h_a), (lp_b, h_b) in zip(whole, shared, strict=True):
+        torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(h_b, h_a, atol=1e-5, rtol=1e-5)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+    changed = [list(s) for s in SHARED]
+    changed[0][3:] = [(t + 13) % 64 for t in changed[0][3:]]
+    with torch.no_grad():
+        a = packed_logprobs(model, shared_batch)
+        b = packed_logprobs(model, build_packed_batch(changed, prompt_lengths=SHARED_PROMPTS))
+    own = shared_batch.seq_ids == 0
+    assert not torch.allclose(a[own], b[own])
+    torch.testing.assert_close(a[~own], b[~own], atol=1e-6, rtol=0)
+
+
+def test_shared_prompts_only_where_they_cost_less_and_only_under_a_mask(models):
+    from pipelinerl.rl.packing import shared_prompts_are_cheaper
+
+    config = transformers.Qwen2Config(hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                                      num_key_value_heads=4)
+    # the tiny recipe: 8 groups of 8 answers of ~4 tokens to a 6-token prompt
+    assert shared_prompts_are_cheaper([10] * 64, 8 * 6 + 64 * 4, config)
+    # long answers to a short prompt: the dense mask over 4,000 tokens costs more than 7 prompts saved
+    assert not shared_prompts_are_cheaper([20 + 480] * 8, 20 + 8 * 480, config)
+    assert not shared_prompts_are_cheaper([10, 10], 20, config)  # nothing shared
+    batch = build_packed_batch(SHARED, prompt_lengths=SHARED_PROMPTS)
+    for attention in ("padded", "position_ids"):
+        with pytest.raises(ValueError, match="shared prompts"):
+            packed_logprobs(models["sdpa"], batch, attention=attention)

@@ -412,6 +412,52 @@ def test_chunked_lm_head_step_equals_full_logits(small_model_dir, loss):
         assert one["loss"] == pytest.approx(expected[0], rel=1e-5)
 
 
+def grouped_batch(i=0):
+    """Two groups of three short answers to 6- and 5-token prompts (the shape of the tiny recipe's batches), the
+    samples of a group not side by side: sharing the prompts packs 14 + 14 tokens instead of 26 + 24."""
+    a, b = [5, 6, 7, 8, 9, 10 + i % 3], [11, 12, 13, 14, 15]
+    return [sample("a", a, [20, 21 + i % 4], 1.0), sample("b", b, [30, 31, 32], 0.0),
+            sample("a", a, [22, 23, 24], 0.0, behav=[-3.0, -4.5, -5.0]), sample("b", b, [33, 34, 35], 1.0),
+            sample("a", a, [25, 26, 27 + i % 2], 0.8), sample("b", b, [36, 37 + i % 3, 38], 0.2)]
+
+
+@pytest.mark.parametrize("setting", [{}, {"policy_loss": "decoupled_ppo", "kl_coef": 0.1},
+                                     {"entropy_coef": 0.01, "aggregation": "seq_mean", "temperature": 0.7}])
+def test_shared_prompts_train_as_the_whole_sequences(small_model_dir, setting):
+    """trainer.share_prompts: each group's prompt goes through the model once (fewer `model_tokens`), and the
+    step is the one on whole sequences: the same loss, stats and gradients, and a second step's stats the same
+    (Adam's first update is sign-like: the weights are no sharp test); with decoupled_ppo and a KL term the no-grad proximal and reference passes take the shared rows
+    too."""
+    runs = {}
+    for share in (True, False):
+        cfg = TrainerConfig(lr=1e-2, samples_per_step=6, micro_batch_tokens=64, share_prompts=share, **setting)
+        trainer = Trainer(str(small_model_dir), cfg, seed=3)
+        stats, grads = step_with_grads(trainer, grouped_batch())
+        second, _ = step_with_grads(trainer, grouped_batch(1))
+        runs[share] = stats, grads, second
+    (shared, shared_grads, shared_second), (whole, whole_grads, whole_second) = runs[True], runs[False]
+    assert whole["model_tokens"] == 50 and shared["model_tokens"] == 50 - 2 * 6 - 2 * 5
+    assert shared["micro_batches"] == whole["micro_batches"] == 1
+    for key in ("loss", "entropy", "kl", "grad_norm", "is_weight_mean", "clip_low_frac", "clip_high_frac",
+                "tokens"):
+        assert shared[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+        assert shared_second[key] == pytest.approx(whole_second[key], rel=1e-4, abs=1e-6), key
+    assert any(float(g.abs().max()) > 0 for g in whole_grads.values())
+    for name, g in whole_grads.items():
+        torch.testing.assert_close(shared_grads[name], g, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_prompts_are_not_shared_where_the_layout_cannot_say_it(small_model_dir):
+    """A critic reads every sequence back whole, and flash-attention's varlen kernel has no mask: no sharing
+    there; and none where the answers are long enough that a dense mask over them costs more than the prompts
+    saved."""
+    assert Trainer(str(small_model_dir), TrainerConfig(samples_per_step=6))._share_prompts is not None
+    assert Trainer(str(small_model_dir), TrainerConfig(samples_per_step=6, advantage="gae"))._share_prompts is None
+    trainer = Trainer(str(small_model_dir), TrainerConfig(samples_per_step=4, micro_batch_tokens=4096))
+    long_answers = [sample("g", [5, 6, 7, 8], [10 + j % 50] * 900, float(j % 2)) for j in range(4)]
+    assert trainer.optimizer_step(long_answers)["model_tokens"] == 4 * 904
+
+
 def test_gradient_checkpointing_recomputes_layers_for_the_same_gradients(small_model_dir):
     """`trainer.gradient_checkpointing` on packed micro-batches with the chunked head: each decoder layer runs
     twice per micro-batch (forward, then again in the backward) instead of once, and the gradients and stats

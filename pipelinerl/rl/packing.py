@@ -27,6 +27,13 @@ How this reaches a transformers causal LM (checked against transformers 5.19 ``m
   layer; ``"auto"`` takes whichever costs less (:func:`padded_is_cheaper`). On CPU, 32 sequences of 160 tokens
   under a 24M model: 8.7 s forward and backward as padded rows, 17.3 s as rows of 4096 tokens under the mask.
 
+Sequences that begin with the same prompt (a GRPO group) can share it (``prompt_lengths`` of
+:func:`build_packed_batch`): the prompt appears once, each completion after it, its positions going on from the
+prompt's end, and the mask lets a completion attend to the prompt and to itself only. Every log-prob and gradient is
+that of the unshared row (the prompt's activations get the sum of what each copy would have got); only the prompt's
+repeats are no longer computed. It needs the mask (sdpa or eager): :func:`shared_prompts_are_cheaper` says when
+it pays. A group of 8 answers of 4 tokens to a 9-token prompt is 41 tokens instead of 104.
+
 Log-probs never materialise ``[T, vocab]`` logits (:func:`packed_logprobs_and_entropy`): the decoder's final
 hidden states go through the LM head a chunk of tokens at a time, and the backward recomputes each chunk.
 """
@@ -90,6 +97,11 @@ class PackedBatch:
     * ``label_mask``: ``[T]`` bool, False on the first token of each sequence (nothing in the sequence
       predicts it), True elsewhere; :func:`packed_logprobs` is 0 where it is False.
     * ``fields``: extra per-token values (e.g. advantages, behaviour log-probs, loss mask), each ``[T]``.
+    * With shared prompts (``build_packed_batch(prompt_lengths=...)``; all three None without): ``tree_ids``
+      ``[T]`` long, the tokens of one prompt and the completions after it; ``shared`` ``[T]`` bool, True on a
+      prompt that several sequences share (its tokens count as the first one's: ``seq_ids``, ``lengths``);
+      ``prev_index`` ``[T]`` long, the token whose output predicts each token (the one before it, but the
+      prompt's last token for a completion's first).
     """
 
     input_ids: Tensor
@@ -99,6 +111,13 @@ class PackedBatch:
     label_mask: Tensor
     lengths: list[int]
     fields: dict[str, Tensor] = field(default_factory=dict)
+    tree_ids: Tensor | None = None
+    shared: Tensor | None = None
+    prev_index: Tensor | None = None
+
+    @property
+    def shares_prompts(self) -> bool:
+        return self.tree_ids is not None
 
     @property
     def num_sequences(self) -> int:
@@ -113,6 +132,7 @@ def build_packed_batch(
     sequences: Sequence[Sequence[int]],
     token_fields: Mapping[str, Sequence[Sequence[float] | Tensor]] | None = None,
     device: torch.device | str | None = None,
+    prompt_lengths: Sequence[int] | None = None,
 ) -> PackedBatch:
     """Concatenate token-id sequences into a :class:`PackedBatch`.
 
@@ -120,6 +140,12 @@ def build_packed_batch(
     ``sequences``); each is concatenated into a ``[T]`` tensor in ``PackedBatch.fields`` (bool if all values
     are bool, else float32), aligned with ``input_ids``. Raises ValueError naming the sample for an empty
     sequence or a field whose length differs from its sequence.
+
+    ``prompt_lengths`` (one per sequence): a sequence whose prompt is that of the sequence before it (the same
+    tokens) shares it: its prompt tokens are left out and its completion attends to the earlier one's (see the
+    module docstring); the shared tokens keep the first sequence's field values, so they must be ones that do not
+    depend on the sequence (prompt tokens are not trained on). A sequence with no token after its prompt keeps
+    its own prompt.
     """
     if not sequences:
         raise ValueError("no sequences to pack")
@@ -127,6 +153,8 @@ def build_packed_batch(
     for i, n in enumerate(lengths):
         if n == 0:
             raise ValueError(f"sample {i} is empty")
+    if prompt_lengths is not None:
+        return _build_shared_prompt_batch(sequences, token_fields or {}, device, prompt_lengths)
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
     lengths_t = torch.tensor(lengths, device=device)
     seq_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t)
@@ -154,16 +182,76 @@ def build_packed_batch(
     )
 
 
-def packed_causal_mask(seq_ids: Tensor) -> Tensor:
+def _build_shared_prompt_batch(sequences: Sequence[Sequence[int]], token_fields: Mapping[str, Sequence],
+                               device: torch.device | str | None, prompt_lengths: Sequence[int]) -> PackedBatch:
+    if len(prompt_lengths) != len(sequences):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(sequences)} sequences")
+    for name, values in token_fields.items():
+        if len(values) != len(sequences):
+            raise ValueError(f"field {name!r} has {len(values)} sequences, expected {len(sequences)}")
+        for i, v in enumerate(values):
+            if len(v) != len(sequences[i]):
+                raise ValueError(f"field {name!r} of sample {i} has {len(v)} values, sequence has "
+                                 f"{len(sequences[i])} tokens")
+    ids, positions, seq_ids, tree_ids, prev = [], [], [], [], []
+    shared: list[bool] = []
+    starts = []  # the first token of each sequence that is packed (after a shared prompt: its completion's)
+    # the prompt that the next sequence may share: its tokens, its first and last token's index, its tree
+    trunk: tuple[tuple[int, ...], int, int, int] | None = None
+    trees = 0
+    for i, seq in enumerate(sequences):
+        p = prompt_lengths[i]
+        if not 0 <= p <= len(seq):
+            raise ValueError(f"sample {i}: prompt length {p} outside its {len(seq)} tokens")
+        shareable = 0 < p < len(seq)  # (one with no completion keeps its prompt and leaves the trunk as it is)
+        joins = shareable and trunk is not None and tuple(seq[:p]) == trunk[0]
+        if joins:
+            first, tree = p, trunk[3]
+            shared[trunk[1]:trunk[2] + 1] = [True] * p
+        else:
+            first, tree, trees = 0, trees, trees + 1
+            if shareable:
+                trunk = (tuple(seq[:p]), len(ids), len(ids) + p - 1, tree)
+        starts.append(first)
+        for j in range(first, len(seq)):
+            prev.append(trunk[2] if joins and j == p else len(ids) - 1)
+            ids.append(seq[j])
+            positions.append(j)
+            seq_ids.append(i)
+            tree_ids.append(tree)
+            shared.append(False)
+    fields = {}
+    for name, values in token_fields.items():
+        parts = [torch.as_tensor(v, device=device)[first:] for v, first in zip(values, starts)]
+        dtype = torch.bool if all(part.dtype == torch.bool for part in parts) else torch.float32
+        fields[name] = torch.cat([part.to(dtype) for part in parts])
+    lengths = [len(seq) - first for seq, first in zip(sequences, starts)]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, device=device), 0)
+    pos = torch.tensor(positions, dtype=torch.long, device=device)
+    return PackedBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device)[None], position_ids=pos[None],
+        seq_ids=torch.tensor(seq_ids, dtype=torch.long, device=device), cu_seqlens=cu, label_mask=pos > 0,
+        lengths=lengths, fields=fields, tree_ids=torch.tensor(tree_ids, dtype=torch.long, device=device),
+        shared=torch.tensor(shared, dtype=torch.bool, device=device),
+        prev_index=torch.tensor(prev, dtype=torch.long, device=device))
+
+
+def packed_causal_mask(seq_ids: Tensor, tree_ids: Tensor | None = None, shared: Tensor | None = None) -> Tensor:
     """Block-diagonal causal mask ``[1, 1, T, T]`` (bool, True = may attend) from per-token sequence ids.
 
-    ``mask[0, 0, q, k] = seq_ids[q] == seq_ids[k] and k <= q``. Pass it as ``attention_mask`` with
-    ``attn_implementation="sdpa"``; for ``"eager"`` convert it with :func:`to_additive_mask` first. It is a
-    ``T x T`` tensor: for long rows prefer flash-attention with ``position_ids`` only.
+    ``mask[0, 0, q, k] = seq_ids[q] == seq_ids[k] and k <= q``; with shared prompts (``tree_ids``, ``shared``
+    of a :class:`PackedBatch`), also where ``k`` is a prompt token of ``q``'s tree that its sequences share.
+    Pass it as ``attention_mask`` with ``attn_implementation="sdpa"``; for ``"eager"`` convert it with
+    :func:`to_additive_mask` first. It is a ``T x T`` tensor: for long rows prefer flash-attention with
+    ``position_ids`` only.
     """
     seq_ids = seq_ids.reshape(-1)
     # built on every forward: one [T, T] tensor made causal in place, half the time of a tril() and an &
-    return (seq_ids[:, None] == seq_ids[None, :]).tril_()[None, None]
+    same = seq_ids[:, None] == seq_ids[None, :]
+    if tree_ids is not None:
+        same |= (tree_ids[:, None] == tree_ids[None, :]) & shared[None, :]
+    return same.tril_()[None, None]
 
 
 def to_additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -233,6 +321,27 @@ def padded_rows(batch: PackedBatch) -> tuple[Tensor, Tensor]:
     return rows.view(batch.num_sequences, width), index
 
 
+def _linear_macs(config) -> tuple[int, int]:
+    """Multiply-adds per token of a decoder layer's linear layers, ``h * (2h + 2 kv + 3 i)`` (q and o, k and v,
+    the gated MLP), and the hidden size ``h``: attention takes ``2h`` per key attended (scores, then values)."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    return h * (2 * h + 2 * kv_dim + 3 * getattr(config, "intermediate_size", 4 * h)), h
+
+
+def _unshared_cost(lengths: Sequence[int], config) -> int:
+    """Multiply-adds per layer of sequences of ``lengths`` in the cheaper of their two unshared layouts (see
+    :func:`padded_is_cheaper`): right-padded rows (where they are at most twice the tokens) or one row under the
+    dense mask."""
+    linear, h = _linear_macs(config)
+    tokens, width, n = sum(lengths), max(lengths), len(lengths)
+    dense = tokens * (linear + 2 * h * tokens)
+    if n * width > 2 * tokens:
+        return dense
+    return min(dense, n * width * (linear + h * width))  # 2h per key, width / 2 keys on average
+
+
 def padded_is_cheaper(batch: PackedBatch, config) -> bool:
     """Whether the packed row's sequences cost less as right-padded rows (causal attention over each row, the
     padding computed and dropped) than as one row under a dense ``[T, T]`` mask, in multiply-adds per layer.
@@ -241,23 +350,33 @@ def padded_is_cheaper(batch: PackedBatch, config) -> bool:
     takes ``2h`` per key attended (scores, then values): ``T`` keys under the dense mask (masked keys are still
     computed), ``L / 2`` on average under a causal one. Padded rows are also held to at most twice the packed
     tokens, so they never take much more activation memory than ``micro_batch_tokens`` planned for."""
-    tokens, width, n = batch.input_ids.shape[1], batch.max_seqlen, batch.num_sequences
-    if n == 1:
+    tokens = batch.input_ids.shape[1]
+    if batch.num_sequences == 1:
         return True  # one sequence: its row is the packed row, and the causal kernel needs no mask
-    if n * width > 2 * tokens:
+    linear, h = _linear_macs(config)
+    return _unshared_cost(batch.lengths, config) < tokens * (linear + 2 * h * tokens)
+
+
+def shared_prompts_are_cheaper(lengths: Sequence[int], shared_tokens: int, config) -> bool:
+    """Whether sequences of ``lengths`` tokens (prompt and completion each) cost less as one row of
+    ``shared_tokens`` with their common prompts shared, under the dense mask it needs, than in the cheaper of
+    their unshared layouts; in multiply-adds per layer, as :func:`padded_is_cheaper`. Short answers to long
+    prompts (the tiny recipe's groups: 41 tokens instead of 104) gain; long answers, whose attention under a
+    dense mask costs more than the prompts saved, do not."""
+    if shared_tokens >= sum(lengths):
         return False
-    h, heads = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    kv_dim = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    linear = h * (2 * h + 2 * kv_dim + 3 * getattr(config, "intermediate_size", 4 * h))
-    padded = n * width * (linear + h * width)  # 2h per key, width / 2 keys on average
-    dense = tokens * (linear + 2 * h * tokens)
-    return padded < dense
+    linear, h = _linear_macs(config)
+    return shared_tokens * (linear + 2 * h * shared_tokens) < _unshared_cost(lengths, config)
 
 
 def resolve_attention(batch: PackedBatch, impl: str | None, attention: AttentionMode, config) -> str:
     """The mode a forward on ``batch`` runs in: ``"auto"`` is ``"position_ids"`` for flash-attention (varlen
     kernels, no mask), else ``"padded"`` where :func:`padded_is_cheaper`, else ``"mask"``."""
+    if batch.shares_prompts:  # only a mask says which tokens a completion sees
+        if attention not in ("auto", "mask") or impl not in ("sdpa", "eager"):
+            raise ValueError(f"a packed row with shared prompts needs attention 'mask' with sdpa or eager, not "
+                             f"{attention!r} with {impl!r}")
+        return "mask"
     if attention != "auto":
         return attention
     if impl not in ("sdpa", "eager"):
@@ -292,11 +411,13 @@ def packed_forward_kwargs(
     """
     if attention == "auto":
         attention = "mask" if impl in ("sdpa", "eager") else "position_ids"
+    if batch.shares_prompts and attention != "mask":
+        raise ValueError(f"a packed row with shared prompts needs attention 'mask', not {attention!r}")
     if attention == "padded":
         raise ValueError("attention 'padded' changes the forward's input ids: use packed_model_inputs")
     kwargs: dict = {"position_ids": batch.position_ids, "use_cache": False}
     if attention == "mask":
-        mask = packed_causal_mask(batch.seq_ids)
+        mask = packed_causal_mask(batch.seq_ids, batch.tree_ids, batch.shared)
         if impl == "eager":
             mask = to_additive_mask(mask, mask_dtype)
         elif impl != "sdpa":
@@ -498,7 +619,10 @@ def packed_logprobs_and_entropy(
     kwargs, index = packed_model_inputs(batch, impl, attention, config, next(causal_lm.parameters()).dtype)
     positions = batch.label_mask.nonzero().squeeze(1)  # tokens t to score, each predicted from row t - 1
     targets = batch.input_ids[0, positions]
-    before = positions - 1 if index is None else index[positions] - 1  # the output row predicting each target
+    if batch.prev_index is not None:  # shared prompts: a completion's first token comes after the prompt's last
+        before = batch.prev_index[positions]
+    else:  # the output row predicting each target
+        before = positions - 1 if index is None else index[positions] - 1
 
     def chunked_head(hidden_states: Tensor) -> Tensor:
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])[before]

@@ -180,19 +180,50 @@ def set_sample_advantages(micro_batches: Sequence[MicroBatch], advantages: Tenso
         p.fields["advantages"] = per_seq[p.seq_ids.to(per_seq.device)]
 
 
+# Whether a micro-batch's sequences (their lengths, prompt and completion each) should share their prompts, given
+# the tokens they would then take (the trainer's `rl.packing.shared_prompts_are_cheaper` for its model)
+SharePrompts = Callable[[Sequence[int], int], bool]
+
+
 def pack_samples(samples: Sequence[Sample], indices: Sequence[int], token_budget: int,
-                 device: torch.device | str | None = None, overlong_filtering: bool = False) -> list[MicroBatch]:
-    """Pack the samples at `indices` into micro-batches of at most `token_budget` tokens (no padding)."""
+                 device: torch.device | str | None = None, overlong_filtering: bool = False,
+                 share_prompts: SharePrompts | None = None) -> list[MicroBatch]:
+    """Pack the samples at `indices` into micro-batches of at most `token_budget` tokens (no padding). With
+    `share_prompts`, the samples of a micro-batch that have the same prompt (a group) are put side by side, and
+    share it where `share_prompts` says so (`rl.packing`: the same log-probs and gradients, fewer tokens)."""
     lengths = [len(samples[i].prompt_token_ids) + len(samples[i].output_token_ids) for i in indices]
     micro_batches = []
     for bin_ in pack_sequences(lengths, token_budget):
         chosen = [indices[b] for b in bin_]
-        micro_batches.append(MicroBatch(_pack(samples, chosen, device, overlong_filtering), chosen))
+        prompt_lengths = None
+        if share_prompts is not None:
+            chosen, prompt_lengths = _prompts_shared(samples, chosen, share_prompts)
+        micro_batches.append(MicroBatch(_pack(samples, chosen, device, overlong_filtering, prompt_lengths), chosen))
     return micro_batches
 
 
+def _prompts_shared(samples: Sequence[Sample], chosen: Sequence[int], share_prompts: SharePrompts
+                    ) -> tuple[list[int], list[int] | None]:
+    """`chosen` with the samples of each prompt side by side (in the order prompts first appear), and their
+    prompt lengths where sharing the prompts pays (else `chosen` as it was, and None)."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i in chosen:
+        by_prompt.setdefault(tuple(samples[i].prompt_token_ids), []).append(i)
+    if len(by_prompt) == len(chosen):
+        return list(chosen), None  # no two samples share a prompt
+    lengths = [len(samples[i].prompt_token_ids) + len(samples[i].output_token_ids) for i in chosen]
+    # a prompt is packed once per group, a completion after it (an empty one keeps its own prompt)
+    shared_tokens = sum(lengths) - sum(len(p) * (sum(bool(samples[i].output_token_ids) for i in group) - 1)
+                                       for p, group in by_prompt.items()
+                                       if any(samples[i].output_token_ids for i in group))
+    if not share_prompts(lengths, shared_tokens):
+        return list(chosen), None
+    ordered = [i for group in by_prompt.values() for i in group]
+    return ordered, [len(samples[i].prompt_token_ids) for i in ordered]
+
+
 def _pack(samples: Sequence[Sample], chosen: Sequence[int], device: torch.device | str | None,
-          overlong_filtering: bool) -> PackedBatch:
+          overlong_filtering: bool, prompt_lengths: Sequence[int] | None = None) -> PackedBatch:
     sequences, mask, behav, adv = [], [], [], []
     for i in chosen:
         s = samples[i]
@@ -206,7 +237,7 @@ def _pack(samples: Sequence[Sample], chosen: Sequence[int], device: torch.device
         behav.append([0.0] * p + list(s.behav_logprobs))
         adv.append(torch.zeros(p + o))
     return build_packed_batch(sequences, {"loss_mask": mask, "behav_logprobs": behav, "advantages": adv},
-                              device=device)
+                              device=device, prompt_lengths=prompt_lengths)
 
 
 def pad_micro_batches(micro_batches: list[MicroBatch], target: int, filler: MicroBatch) -> list[MicroBatch]:
@@ -224,8 +255,8 @@ def minibatch_slices(num_samples: int, minibatches: int) -> list[range]:
 
 def build_step(batch: Sequence[Sample | Mapping[str, Any]], micro_batch_tokens: int, rank: int = 0,
                world_size: int = 1, device: torch.device | str | None = None, minibatches: int = 1,
-               overlong_filtering: bool = False, leave_out: Callable[[StepBatch], Tensor] | None = None
-               ) -> StepBatch:
+               overlong_filtering: bool = False, leave_out: Callable[[StepBatch], Tensor] | None = None,
+               share_prompts: SharePrompts | None = None) -> StepBatch:
     """Validate the batch, split it into minibatches and pack this rank's share of each. Advantages come later
     (`sample_advantages`, `set_sample_advantages`): some estimators need the no-grad passes first.
 
@@ -244,7 +275,8 @@ def build_step(batch: Sequence[Sample | Mapping[str, Any]], micro_batch_tokens: 
         # ranks share the samples that are packed, so that a left-out group does not leave one rank idle
         kept = [i for i in part if not left_out[i]]
         mine = kept[rank::world_size]
-        mbs = pack_samples(samples, mine, micro_batch_tokens, device, overlong_filtering) if mine else []
+        mbs = pack_samples(samples, mine, micro_batch_tokens, device, overlong_filtering, share_prompts) \
+            if mine else []
         if not kept:
             mbs = pad_micro_batches([], 1, filler_micro_batch(step, micro_batch_tokens, device))
         step.minibatches.append(Minibatch(mbs, num_samples=len(part),

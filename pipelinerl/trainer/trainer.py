@@ -44,6 +44,7 @@ from pipelinerl.rl.packing import (
     packed_logprobs,
     packed_logprobs_and_entropy,
     resolve_attn_implementation,
+    shared_prompts_are_cheaper,
 )
 from pipelinerl.rl.registry import LossInputs
 from pipelinerl.samples import Sample
@@ -148,6 +149,7 @@ class Trainer:
         self.attn_implementation = resolve_attn_implementation(self.cfg.attn_implementation, self.accelerator.device,
                                                                self.cfg.micro_batch_tokens)
         model = self._load_policy()
+        self._model_config = model.config
         self.param_names = [name for name, _ in model.named_parameters()]  # tied weights appear once
         optimizer = build_optimizer(model, self.cfg)
         self.scheduler = build_scheduler(optimizer, self.cfg)  # stepped by us, never by accelerate
@@ -172,6 +174,12 @@ class Trainer:
         self.skips_zero_advantage = (c.skip_zero_advantage and self.loss_spec.zero_without_advantage
                                      and not self.adv_spec.token_level and self.ref_model is None
                                      and c.entropy_coef == 0)
+        # a group's samples share their prompt in a micro-batch where that costs less (rl/packing.py: the same
+        # log-probs and gradients, the prompt computed once): it needs the mask (sdpa, eager; flash-attention's
+        # varlen kernel cannot say that a completion sees the prompt but not its siblings), and not with the
+        # critic, which reads every sequence back whole
+        self._share_prompts = (self._prompts_cheaper if c.share_prompts and self.critic is None
+                               and self.attn_implementation in ("sdpa", "eager") else None)
         self._version = 0
         self.step = 0  # optimizer_step calls, skipped ones included
 
@@ -192,6 +200,9 @@ class Trainer:
                                                        attn_implementation=self.attn_implementation)
         ref.config.use_cache = False
         return ref.to(self.accelerator.device).eval().requires_grad_(False)
+
+    def _prompts_cheaper(self, lengths: Sequence[int], shared_tokens: int) -> bool:
+        return shared_prompts_are_cheaper(lengths, shared_tokens, self._model_config)
 
     def _configure_deepspeed(self) -> None:
         """Our config decides clipping; we drive accumulation boundaries ourselves (micro-batch counts vary)."""
@@ -296,7 +307,8 @@ class Trainer:
         cfg, acc = self.cfg, self.accelerator
         step = build_step(batch, cfg.micro_batch_tokens, acc.process_index, acc.num_processes, acc.device,
                           cfg.ppo_minibatches, cfg.overlong_filtering,
-                          leave_out=self._no_gradient if self.skips_zero_advantage else None)
+                          leave_out=self._no_gradient if self.skips_zero_advantage else None,
+                          share_prompts=self._share_prompts)
         minibatches = [self._same_count_on_all_ranks(step, m.micro_batches) for m in step.minibatches]
         every_mb = [mb for mbs in minibatches for mb in mbs]
         lags = [s.lag(self.version) for s in step.samples]
@@ -353,7 +365,7 @@ class Trainer:
             self.kl_coef.update(totals["kl"] / max(totals["tokens"], 1.0), step.num_samples)
             ref_reset = self._maybe_reset_reference(totals["kl"] / max(totals["tokens"], 1.0))
         stats = self._stats(step, totals, float(w_max), grad_norms, lags, lr, applied, ref_reset,
-                            len(every_mb), time.perf_counter() - start)
+                            every_mb, time.perf_counter() - start)
         stats.update(kl_coef=kl_coef, updates_applied=float(applied_updates),
                      clip_frac_first_minibatch=float(first_clip),
                      clip_frac_later_minibatches=self._later_clip_frac(totals, float(first_clip), step),
@@ -541,7 +553,8 @@ class Trainer:
             ref_params[name].copy_(t)
 
     def _stats(self, step: StepBatch, t: dict[str, float], w_max: float, grad_norms: list[float], lags: list[int],
-               lr: float, applied: bool, ref_reset: bool, micro_batches: int, seconds: float) -> dict[str, float]:
+               lr: float, applied: bool, ref_reset: bool, micro_batches: list[MicroBatch], seconds: float
+               ) -> dict[str, float]:
         n = max(t["tokens"], 1.0)
         adv = step.advantages
         return {
@@ -567,7 +580,10 @@ class Trainer:
             # left out of the forward and backward passes (trainer.skip_zero_advantage): they add no gradient
             "samples_left_out": float(step.left_out),
             "tokens_left_out": float(step.left_out_tokens),
-            "micro_batches": float(micro_batches),
+            "micro_batches": float(len(micro_batches)),
+            # tokens through the model on this rank (prompts and answers; a shared prompt once): against `tokens`,
+            # what packing and trainer.share_prompts saved
+            "model_tokens": float(sum(mb.num_tokens for mb in micro_batches if mb.weight)),
             "lr": lr,
             "step_s": seconds,
             "skipped": 0.0 if applied else 1.0,
