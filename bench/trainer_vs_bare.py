@@ -53,6 +53,11 @@ the loss's statistics, accelerate's pass-through calls (under 1 ms). The entropy
 entropy_coef 0 costs one more pass over each chunk's logits in the forward (within the noise). A KL reference
 costs what it must: one more forward per micro-batch.
 
+`shared_prompts`: the trainer with `trainer.share_prompts` (the default: a group's prompt through the model once,
+where that costs less) and without, and the bare loop, on the tiny recipe's own batch shape (8 groups of 8 answers of
+2-5 tokens to ~6-token prompts), interleaved. The headline batches (~112-token answers) do not share: a dense mask
+over their answers costs more than the prompts saved, so there the trainer runs as before.
+
     python -m bench.trainer_vs_bare [--quick]
 """
 
@@ -116,6 +121,7 @@ def run(quick: bool = False) -> dict:
     specs = [dataclasses.replace(MODELS[1], repeats=QUICK_REPEATS)] if quick else list(MODELS)
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure_model(_build_model(Path(tmp), spec), spec) for spec in specs]
+        shared = measure_shared_prompts(_build_model(Path(tmp), MODELS[1]), QUICK_REPEATS if quick else 2 * REPEATS)
     main = rows[0]
     return {
         "name": NAME,
@@ -126,6 +132,7 @@ def run(quick: bool = False) -> dict:
                              f"(CPU time {r['ratio_cpu_time']:.3f}, rounds {r['ratio_rounds']['min']:.2f}-"
                              f"{r['ratio_rounds']['max']:.2f})" for r in rows),
         "models": rows,
+        "shared_prompts": shared,
         "settings": {"threads": THREADS, "dtype": "float32", "device": str(_device()), "group_size": GROUP_SIZE,
                      "prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS, "lr": LR,
                      "grad_clip": GRAD_CLIP, "algorithm": "ppo_clip + grpo (recipes/tiny_cpu.yaml)",
@@ -157,7 +164,8 @@ def _build_model(root: Path, spec: ModelSpec) -> Path:
     return path
 
 
-def make_batch(num_samples: int, vocab_size: int, seed: int = 0) -> list:
+def make_batch(num_samples: int, vocab_size: int, seed: int = 0, prompt_tokens: tuple[int, int] = PROMPT_TOKENS,
+               completion_tokens: tuple[int, int] = COMPLETION_TOKENS) -> list:
     """Groups of GROUP_SIZE samples sharing a prompt, with mixed 0/1 rewards (so GRPO's advantages are not all
     0) and behaviour log-probs around a random model's (-log vocab), so PPO's ratios stay near 1."""
     from pipelinerl.samples import Sample
@@ -165,9 +173,9 @@ def make_batch(num_samples: int, vocab_size: int, seed: int = 0) -> list:
     rng = random.Random(seed)
     samples = []
     for g in range(math.ceil(num_samples / GROUP_SIZE)):
-        prompt = [rng.randrange(4, vocab_size) for _ in range(rng.randint(*PROMPT_TOKENS))]
+        prompt = [rng.randrange(4, vocab_size) for _ in range(rng.randint(*prompt_tokens))]
         for j in range(min(GROUP_SIZE, num_samples - len(samples))):
-            n = rng.randint(*COMPLETION_TOKENS)
+            n = rng.randint(*completion_tokens)
             samples.append(Sample(
                 group_id=f"g{g}", prompt_token_ids=prompt,
                 output_token_ids=[rng.randrange(4, vocab_size) for _ in range(n)],
@@ -323,6 +331,32 @@ def measure_model(path: Path, spec: ModelSpec) -> dict:
     return row
 
 
+# the tiny recipe's own batches (recipes/tiny_cpu.yaml: 8 groups of 8 answers of 2-5 tokens, each "12+34=" style
+# prompt ~6 tokens), where a group's prompt is most of its tokens
+TINY_RECIPE_BATCH = {"prompt_tokens": (5, 7), "completion_tokens": (2, 5)}
+
+
+def measure_shared_prompts(path: Path, repeats: int) -> dict:
+    """`trainer.share_prompts` on the tiny recipe's own batch shape: the trainer with it (the default) and without,
+    and the bare loop (which packs every sequence whole), interleaved: seconds per step and the tokens each puts
+    through the model."""
+    spec = MODELS[1]
+    config = json.loads((path / "config.json").read_text())
+    batch = make_batch(spec.samples, config["vocab_size"], **TINY_RECIPE_BATCH)
+    shared, whole = TrainerStep(path, spec, batch), TrainerStep(path, spec, batch, share_prompts=False)
+    bare = BareLoop(path, spec, batch)
+    wall, cpu = interleaved({"shared": shared, "whole": whole, "bare": bare}, repeats)
+    med = {name: median(ts) for name, ts in wall.items()}
+    return {"model": spec.label, "samples": spec.samples, "batch": TINY_RECIPE_BATCH,
+            "model_tokens_per_step": {"shared": int(shared.stats["model_tokens"]),
+                                      "whole": int(whole.stats["model_tokens"])},
+            "trained_tokens_per_step": int(shared.stats["tokens"]),
+            "seconds_per_step": {name: round(s, 4) for name, s in med.items()},
+            "speedup_over_whole": round(median([w / s for w, s in zip(wall["whole"], wall["shared"])]), 3),
+            "trainer_over_bare": round(median([b / s for b, s in zip(wall["bare"], wall["shared"])]), 3),
+            "cpu_seconds_per_step": {name: round(median(ts), 4) for name, ts in cpu.items()}}
+
+
 def time_packing(trainer: TrainerStep, repeats: int = 5) -> float:
     """Seconds to validate and pack the batch and put the advantages on its tokens, as `optimizer_step` does."""
     from pipelinerl.trainer.batch import build_step, sample_advantages, set_sample_advantages
@@ -425,6 +459,13 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table([[k, f"{tb[k]:.4f}" if k in tb else "", f"{bb[k]:.4f}" if k in bb else ""]
                             for k in stages], ["stage (profiled, CPU s)", "trainer", "bare"]))
         print(f"ratio {r['ratio']:.3f} (CPU time {r['ratio_cpu_time']:.3f}); packing alone {r['packing_s']:.4f} s")
+    sp = result["shared_prompts"]
+    print(f"\ntrainer.share_prompts on the tiny recipe's batch shape ({sp['samples']} samples, {sp['batch']}): "
+          f"{sp['speedup_over_whole']:.2f}x over whole sequences, {sp['trainer_over_bare']:.2f}x the bare loop")
+    print(format_table([[name, f"{s:.4f}", f"{sp['cpu_seconds_per_step'][name]:.4f}",
+                         str(sp["model_tokens_per_step"].get(name, sp["model_tokens_per_step"]["whole"]))]
+                        for name, s in sp["seconds_per_step"].items()],
+                       ["side", "s/step", "CPU s/step", "tokens through the model"]))
     print(f"\nratio {result['ratio']:.3g} (target {result['target']:g}, passed: {result['passed']}): "
           f"{result['summary']}")
     return 0
