@@ -426,8 +426,8 @@ def grouped_batch(i=0):
 def test_shared_prompts_train_as_the_whole_sequences(small_model_dir, setting):
     """trainer.share_prompts: each group's prompt goes through the model once (fewer `model_tokens`), and the
     step is the one on whole sequences: the same loss, stats and gradients, and a second step's stats the same
-    (Adam's first update is sign-like: the weights are no sharp test); with decoupled_ppo and a KL term the no-grad proximal and reference passes take the shared rows
-    too."""
+    (Adam's first update is sign-like: the weights are no sharp test); with decoupled_ppo and a KL term the no-grad
+    proximal and reference passes take the shared rows too."""
     runs = {}
     for share in (True, False):
         cfg = TrainerConfig(lr=1e-2, samples_per_step=6, micro_batch_tokens=64, share_prompts=share, **setting)
