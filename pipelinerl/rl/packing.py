@@ -156,21 +156,10 @@ def build_packed_batch(
     if prompt_lengths is not None:
         return _build_shared_prompt_batch(sequences, token_fields or {}, device, prompt_lengths)
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
-    lengths_t = torch.tensor(lengths, device=device)
-    seq_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
-    cu[1:] = torch.cumsum(lengths_t, 0)
+    cu = _cu_seqlens(lengths, device)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), cu.diff())
     positions = torch.arange(ids.numel(), device=device) - cu[:-1].long()[seq_ids]
-    fields = {}
-    for name, values in (token_fields or {}).items():
-        if len(values) != len(sequences):
-            raise ValueError(f"field {name!r} has {len(values)} sequences, expected {len(sequences)}")
-        for i, (v, n) in enumerate(zip(values, lengths, strict=True)):
-            if len(v) != n:
-                raise ValueError(f"field {name!r} of sample {i} has {len(v)} values, sequence has {n} tokens")
-        parts = [torch.as_tensor(v, device=device) for v in values]
-        dtype = torch.bool if all(part.dtype == torch.bool for part in parts) else torch.float32
-        fields[name] = torch.cat([part.to(dtype) for part in parts])
+    fields = _packed_fields(token_fields or {}, lengths, [0] * len(lengths), device)
     return PackedBatch(
         input_ids=ids[None],
         position_ids=positions[None],
@@ -182,17 +171,34 @@ def build_packed_batch(
     )
 
 
+def _cu_seqlens(lengths: Sequence[int], device: torch.device | str | None) -> Tensor:
+    """``[0, l0, l0 + l1, ...]``, int32 (flash-attn's varlen format)."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, device=device), 0)
+    return cu
+
+
+def _packed_fields(token_fields: Mapping[str, Sequence], lengths: Sequence[int], starts: Sequence[int],
+                   device: torch.device | str | None) -> dict[str, Tensor]:
+    """Each field's values of every sequence from its token ``starts[i]`` on, concatenated (bool if all values are
+    bool, else float32); raises ValueError naming the field and sample whose values do not match its tokens."""
+    fields = {}
+    for name, values in token_fields.items():
+        if len(values) != len(lengths):
+            raise ValueError(f"field {name!r} has {len(values)} sequences, expected {len(lengths)}")
+        for i, (v, n) in enumerate(zip(values, lengths, strict=True)):
+            if len(v) != n:
+                raise ValueError(f"field {name!r} of sample {i} has {len(v)} values, sequence has {n} tokens")
+        parts = [torch.as_tensor(v, device=device)[first:] for v, first in zip(values, starts, strict=True)]
+        dtype = torch.bool if all(part.dtype == torch.bool for part in parts) else torch.float32
+        fields[name] = torch.cat([part.to(dtype) for part in parts])
+    return fields
+
+
 def _build_shared_prompt_batch(sequences: Sequence[Sequence[int]], token_fields: Mapping[str, Sequence],
                                device: torch.device | str | None, prompt_lengths: Sequence[int]) -> PackedBatch:
     if len(prompt_lengths) != len(sequences):
         raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(sequences)} sequences")
-    for name, values in token_fields.items():
-        if len(values) != len(sequences):
-            raise ValueError(f"field {name!r} has {len(values)} sequences, expected {len(sequences)}")
-        for i, v in enumerate(values):
-            if len(v) != len(sequences[i]):
-                raise ValueError(f"field {name!r} of sample {i} has {len(v)} values, sequence has "
-                                 f"{len(sequences[i])} tokens")
     ids, positions, seq_ids, tree_ids, prev = [], [], [], [], []
     shared: list[bool] = []
     starts = []  # the first token of each sequence that is packed (after a shared prompt: its completion's)
@@ -220,14 +226,9 @@ def _build_shared_prompt_batch(sequences: Sequence[Sequence[int]], token_fields:
             seq_ids.append(i)
             tree_ids.append(tree)
             shared.append(False)
-    fields = {}
-    for name, values in token_fields.items():
-        parts = [torch.as_tensor(v, device=device)[first:] for v, first in zip(values, starts)]
-        dtype = torch.bool if all(part.dtype == torch.bool for part in parts) else torch.float32
-        fields[name] = torch.cat([part.to(dtype) for part in parts])
+    fields = _packed_fields(token_fields, [len(seq) for seq in sequences], starts, device)
     lengths = [len(seq) - first for seq, first in zip(sequences, starts)]
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
-    cu[1:] = torch.cumsum(torch.tensor(lengths, device=device), 0)
+    cu = _cu_seqlens(lengths, device)
     pos = torch.tensor(positions, dtype=torch.long, device=device)
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device)[None], position_ids=pos[None],

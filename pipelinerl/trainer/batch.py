@@ -197,21 +197,21 @@ def pack_samples(samples: Sequence[Sample], indices: Sequence[int], token_budget
         chosen = [indices[b] for b in bin_]
         prompt_lengths = None
         if share_prompts is not None:
-            chosen, prompt_lengths = _prompts_shared(samples, chosen, share_prompts)
+            chosen, prompt_lengths = _prompts_shared(samples, chosen, [lengths[b] for b in bin_], share_prompts)
         micro_batches.append(MicroBatch(_pack(samples, chosen, device, overlong_filtering, prompt_lengths), chosen))
     return micro_batches
 
 
-def _prompts_shared(samples: Sequence[Sample], chosen: Sequence[int], share_prompts: SharePrompts
-                    ) -> tuple[list[int], list[int] | None]:
-    """`chosen` with the samples of each prompt side by side (in the order prompts first appear), and their
-    prompt lengths where sharing the prompts pays (else `chosen` as it was, and None)."""
+def _prompts_shared(samples: Sequence[Sample], chosen: Sequence[int], lengths: Sequence[int],
+                    share_prompts: SharePrompts) -> tuple[list[int], list[int] | None]:
+    """`chosen` (their `lengths`, prompt and completion each) with the samples of each prompt side by side (in
+    the order prompts first appear), and their prompt lengths where sharing the prompts pays (else `chosen` as it
+    was, and None)."""
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i in chosen:
         by_prompt.setdefault(tuple(samples[i].prompt_token_ids), []).append(i)
     if len(by_prompt) == len(chosen):
         return list(chosen), None  # no two samples share a prompt
-    lengths = [len(samples[i].prompt_token_ids) + len(samples[i].output_token_ids) for i in chosen]
     # a prompt is packed once per group, a completion after it (an empty one keeps its own prompt)
     shared_tokens = sum(lengths) - sum(len(p) * (sum(bool(samples[i].output_token_ids) for i in group) - 1)
                                        for p, group in by_prompt.items()

@@ -149,7 +149,6 @@ class Trainer:
         self.attn_implementation = resolve_attn_implementation(self.cfg.attn_implementation, self.accelerator.device,
                                                                self.cfg.micro_batch_tokens)
         model = self._load_policy()
-        self._model_config = model.config
         self.param_names = [name for name, _ in model.named_parameters()]  # tied weights appear once
         optimizer = build_optimizer(model, self.cfg)
         self.scheduler = build_scheduler(optimizer, self.cfg)  # stepped by us, never by accelerate
@@ -178,7 +177,8 @@ class Trainer:
         # log-probs and gradients, the prompt computed once): it needs the mask (sdpa, eager; flash-attention's
         # varlen kernel cannot say that a completion sees the prompt but not its siblings), and not with the
         # critic, which reads every sequence back whole
-        self._share_prompts = (self._prompts_cheaper if c.share_prompts and self.critic is None
+        self._share_prompts = (functools.partial(shared_prompts_are_cheaper, config=model.config)
+                               if c.share_prompts and self.critic is None
                                and self.attn_implementation in ("sdpa", "eager") else None)
         self._version = 0
         self.step = 0  # optimizer_step calls, skipped ones included
@@ -200,9 +200,6 @@ class Trainer:
                                                        attn_implementation=self.attn_implementation)
         ref.config.use_cache = False
         return ref.to(self.accelerator.device).eval().requires_grad_(False)
-
-    def _prompts_cheaper(self, lengths: Sequence[int], shared_tokens: int) -> bool:
-        return shared_prompts_are_cheaper(lengths, shared_tokens, self._model_config)
 
     def _configure_deepspeed(self) -> None:
         """Our config decides clipping; we drive accumulation boundaries ourselves (micro-batch counts vary)."""
