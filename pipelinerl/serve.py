@@ -130,7 +130,11 @@ def bind(host: str, port: int) -> socket.socket:
     """A listening socket on host:port; port 0 takes a free one. Binding here (not in uvicorn) lets the server
     report the port it got, so launchers never pick a port that someone else takes before the server starts."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of a
+    # socket that says it is TCP. With Nagle on, uvicorn's answer (headers, then body: two writes) held its body
+    # back until the client acknowledged the headers, which a client delaying its ACK does 40 ms later: 40 ms on
+    # about every other weight update or health check of the trainer's, and on engine answers to the actor
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -48,6 +48,8 @@ def test_updates_survive_a_keep_alive_connection_the_server_closed():
     try:
         for version in (1, 2):
             client.send_update(update_request_body(named, version, "weight_update", 64))
+            # headers and body are written apart: the body must not wait for the headers' ACK (Nagle)
+            assert client._update_conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
             assert client.finish_update().version == 1
             assert closed.acquire(timeout=10)  # the server has closed the idle connection meanwhile
         client.send_update(update_request_body(named, 3, "weight_update", 64))

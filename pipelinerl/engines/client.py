@@ -6,6 +6,7 @@ import functools
 import http.client
 import json
 import select
+import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -166,6 +167,10 @@ class EngineClient:
             parts = urllib.parse.urlsplit(self.url)
             cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
             conn = self._update_conn = cls(parts.hostname or "127.0.0.1", parts.port, timeout=self._timeout_s)
+            # http.client writes a request's headers and its body apart; with Nagle's algorithm on, the body
+            # would wait for the engine to acknowledge the headers (up to its delayed-ACK time, 40 ms on Linux)
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
 
