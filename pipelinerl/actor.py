@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import signal
 import time
@@ -59,6 +60,32 @@ def dynamic_sampling_drop(samples: Sequence[Sample]) -> str | None:
     return "all_correct" if correct.pop() else "all_wrong"
 
 
+class InPlaceFile:
+    """A small text file rewritten in place after every streamed group (the actor's resume state): one `pwrite`
+    on a descriptor kept open, instead of an open, truncate, write and close each time (8% of the actor's CPU on
+    the tiny recipe). The text is padded with spaces to at least its previous length, so a shorter text leaves no
+    tail of the longer one and the file is never empty or cut short between two writes (JSON readers skip the
+    spaces)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd: int | None = None  # opened by the first write: until then an earlier run's file stays as it was
+        self.length = 0
+
+    def write(self, text: str) -> None:
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.length = os.fstat(self.fd).st_size
+        data = text.encode().ljust(self.length)
+        os.pwrite(self.fd, data, 0)
+        self.length = len(data)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class RunStalled(RuntimeError):
     """The run cannot make progress (dynamic sampling drops every group); the actor exits with an error."""
 
@@ -76,7 +103,9 @@ class Actor:
         self.samples = open_writer(cfg.streams, self.run_dir, "samples", "actor")
         self.control = open_reader(cfg.streams, self.run_dir, "control")
         self.state_path = self.run_dir / "actor_state.json"
-        state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        text = self.state_path.read_text() if self.state_path.exists() else ""
+        state = json.loads(text) if text.strip() else {}  # empty: the actor stopped before its first group
+        self.state_file = InPlaceFile(self.state_path)
         self.problems = self.task.train_problems()
         self.order = list(range(len(self.problems)))
         random.Random(cfg.seed).shuffle(self.order)
@@ -135,6 +164,7 @@ class Actor:
         for e in self.engines:
             await e.aclose()
         self.samples.close()
+        self.state_file.close()
         if self.stalled:
             raise RunStalled(self.stalled)
 
@@ -214,8 +244,7 @@ class Actor:
         self.streamed += len(samples)
         self.counts["groups_streamed"] += 1
         self.counts["samples_streamed"] = self.streamed
-        self.state_path.write_text(json.dumps({"next_problem": self.next_problem,
-                                               "streamed_samples": self.streamed}))
+        self.state_file.write(json.dumps({"next_problem": self.next_problem, "streamed_samples": self.streamed}))
 
     @property
     def max_dropped_in_a_row(self) -> int:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pipelinerl.actor import Actor, dynamic_sampling_drop
+from pipelinerl.actor import Actor, InPlaceFile, dynamic_sampling_drop
 from pipelinerl.config import ConfigError, load_config
 from pipelinerl.contracts.inference import Completion
 from pipelinerl.rewards import RewardResult
@@ -61,6 +61,24 @@ def test_actor_drops_groups_without_a_correctness_signal(tmp_path, tiny_model_di
     # every answer scored counts towards the policy's accuracy, the dropped groups' too: 4 right of 9
     assert (actor.counts["samples_generated"], actor.counts["samples_generated_correct"]) == (9, 4)
     assert json.loads(actor.state_path.read_text())["streamed_samples"] == 3
+    actor.state_file.close()
+    # a restarted actor goes on from there: the stream's length (for max_lag) and the next problem
+    again = Actor(cfg, [])
+    assert (again.streamed, again.next_problem) == (3, actor.next_problem)
+    again.state_file.close()
+
+
+def test_the_state_file_is_rewritten_in_place(tmp_path):
+    path = tmp_path / "state.json"
+    f = InPlaceFile(path)
+    f.write(json.dumps({"next_problem": 123456}))
+    f.write(json.dumps({"next_problem": 7}))  # shorter: no tail of the longer text is left
+    assert json.loads(path.read_text()) == {"next_problem": 7}
+    f.close()
+    f = InPlaceFile(path)  # reopened on a resume
+    f.write(json.dumps({"a": 1}))
+    assert json.loads(path.read_text()) == {"a": 1}
+    f.close()
 
 
 def test_actor_stops_the_run_when_every_group_is_dropped(tmp_path, tiny_model_dir):

@@ -82,6 +82,15 @@ def _slow_warmup():
 check_after_slow_warmup.warmup = _slow_warmup
 
 
+def check_warm_then_maybe_exit(item):
+    if item.get("exit"):
+        os._exit(1)
+    return 1.0, {"pid": float(os.getpid())}
+
+
+check_warm_then_maybe_exit.warmup = _slow_warmup
+
+
 def check_by_kind(item):
     return {"ok": check_double, "hang": check_hang, "exit": check_exit, "segv": check_segfault,
             "raise": check_raise}[item["kind"]](item)
@@ -160,14 +169,30 @@ def test_pool_reports_bad_returns_and_unpicklable_items_as_errors():
         bad, unpicklable = pool.score(check_nan, [{}])[0], pool.submit(check_double, {"x": lambda: 1}).result()
         assert bad.reward == 0 and bad.info.startswith("error: TypeError") and "nan" in bad.info
         assert unpicklable.reward == 0 and unpicklable.info.startswith("error: cannot send item")
+        # in a batch, only the item that cannot be sent is lost
+        mixed = pool.score(check_double, [{"x": 1}, {"x": lambda: 1}, {"x": 3}])
+        assert [r.reward for r in mixed] == [2.0, 0.0, 6.0] and mixed[1].info.startswith("error: cannot send item")
         assert pool.score("test_rewards:check_double", [{"x": 2}])[0].reward == 4.0  # by "module:name" too
-        assert pool.stats()["errors"] == 2 and pool.stats()["workers_replaced"] == 0
+        assert pool.stats()["errors"] == 3 and pool.stats()["workers_replaced"] == 0
 
 
 def test_pool_warmup_runs_outside_the_timeout():
     with RewardPool(workers=1, timeout_s=2.0) as pool:  # less than the warm-up's 3 s
         assert pool.score(check_after_slow_warmup, [{}, {}]) == [RewardResult(1.0), RewardResult(1.0)]
         assert pool.stats()["timeouts"] == 0
+
+
+def test_a_batch_goes_on_on_a_fresh_worker_after_a_crash_in_it():
+    """A batch is one message to one worker. A crash costs its own item; the items after it are scored by the
+    fresh worker, whose warm-up (3 s, more than the 2 s timeout) is again kept off the clock."""
+    with RewardPool(workers=1, timeout_s=2.0) as pool:
+        first, crashed, after = pool.score(check_warm_then_maybe_exit, [{}, {"exit": True}, {}])
+        assert first.reward == 1.0 and crashed == RewardResult(0.0, {}, "crash: exit code 1") and after.reward == 1.0
+        assert first.parts["pid"] != after.parts["pid"]  # the fresh worker
+        again = pool.submit_batch(check_warm_then_maybe_exit, [{}, {}]).result(timeout=30)
+        assert {r.parts["pid"] for r in again} == {after.parts["pid"]}  # warm now: no second warm-up
+        assert pool.stats() == {"scored": 4, "timeouts": 0, "crashes": 1, "errors": 0, "out_of_memory": 0,
+                                "workers_replaced": 1}
 
 
 def test_pool_score_async_does_not_block_the_event_loop():

@@ -6,9 +6,14 @@ worker restart, never the actor. The workers are started with `spawn` (or `forks
 multi-threaded (asyncio actor, HTTP clients, this pool's own threads) and `fork` would copy held locks.
 
 Design: one feeder thread per worker. It takes a job from a shared queue, sends it down the worker's pipe and waits
-for the answer with a deadline; on a timeout it kills the worker, on a dead pipe it reads the exit code, and in both
-cases it starts a fresh worker and carries on. Callers get `concurrent.futures.Future`s, so a blocking caller and
-an asyncio caller (`asyncio.wrap_future`, `score_async`) share one mechanism and the event loop never blocks.
+for the answers with a deadline per answer; on a timeout it kills the worker, on a dead pipe it reads the exit code,
+and in both cases it starts a fresh worker and carries on. Callers get `concurrent.futures.Future`s, so a blocking
+caller and an asyncio caller (`asyncio.wrap_future`, `score_async`) share one mechanism and the event loop never
+blocks. A job is a batch of items (`score` and `score_async` split theirs into one batch per worker, at most
+`MAX_BATCH` items each): one message down the pipe, one answer back per item, one future for the caller. Per item
+that is what a job of one cost before, a third of the messages and none of the thread and event-loop wake-ups; on
+small models the actor scores about 1,500 answers a second, and the round trips were a fifth of its CPU. A timeout
+or crash costs the item it happened on; the batch's later items go to the fresh worker.
 
 The scoring function travels by reference ("module:name"), so it must be a top-level function the worker can
 import; it takes one plain dict and returns a float, `(float, parts)`, `(float, parts, info)` or a `RewardResult`.
@@ -28,14 +33,16 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("scored", "timeouts", "crashes", "errors", "out_of_memory", "workers_replaced")
+MAX_BATCH = 16  # items in one job of `score` / `score_async`: larger batches balance badly over the workers
 ScoreFn = Callable[[dict], Any] | str
 
 
@@ -120,11 +127,12 @@ def _limit_memory(limit_mb: int) -> None:
 
 
 def _worker_main(conn: Connection, preload: tuple[str, ...], memory_limit_mb: int = 0) -> None:
-    """Worker loop: receive (ref, item), say "start" once the function is ready, run it, send the result.
+    """Worker loop: receive (ref, items), run the function on each item in order, send each result.
 
-    The "start" message lets the parent exclude import time (sympy takes seconds on a cold process) from the
-    per-answer timeout: a scoring function may carry a `warmup` attribute, a no-argument callable run once per
-    worker before its first check. Checks run in this process's main thread, so signal-based timeouts work.
+    Before the first check with a function this worker has not imported, it imports it, runs its warm-up and
+    says "start": the parent excludes import time (sympy takes seconds on a cold process) from the per-answer
+    timeout; a scoring function may carry a `warmup` attribute, a no-argument callable run once per worker before
+    its first check. Checks run in this process's main thread, so signal-based timeouts work.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes the pool
     _exit_with_parent()
@@ -142,26 +150,29 @@ def _worker_main(conn: Connection, preload: tuple[str, ...], memory_limit_mb: in
             return
         if msg is None:
             return
-        ref, item = msg
-        try:
-            if ref not in functions:
-                fn = resolve(ref)
-                getattr(fn, "warmup", _nothing)()  # heavy imports, before the clock starts
-                functions[ref] = fn
-            if not limited:  # once the first function is imported: the cap is on what the checks take
-                _limit_memory(memory_limit_mb)
-                limited = True
-            conn.send(("start", None))
-            reply = ("ok", to_result(functions[ref](item)))
-        except MemoryError:
-            reply = ("memory", f"the check needed more than the {memory_limit_mb} MiB a worker may take "
-                               "(reward.memory_limit_mb)")
-        except Exception as e:
-            reply = ("error", f"{type(e).__name__}: {e}")
-        del item  # a big completion is not kept while the worker waits for the next one
-        conn.send(reply)
-        if reply[0] == "memory":
-            return  # a fresh worker, with a clean heap, takes the next check
+        ref, items = msg
+        items.reverse()  # popped from the end: each item is let go as soon as it is scored
+        while items:
+            item = items.pop()
+            try:
+                if ref not in functions:
+                    fn = resolve(ref)
+                    getattr(fn, "warmup", _nothing)()  # heavy imports, before the clock starts
+                    functions[ref] = fn
+                    conn.send(("start", None))
+                if not limited:  # once the first function is imported: the cap is on what the checks take
+                    _limit_memory(memory_limit_mb)
+                    limited = True
+                reply = ("ok", to_result(functions[ref](item)))
+            except MemoryError:
+                reply = ("memory", f"the check needed more than the {memory_limit_mb} MiB a worker may take "
+                                   "(reward.memory_limit_mb)")
+            except Exception as e:
+                reply = ("error", f"{type(e).__name__}: {e}")
+            del item  # a big completion is not kept while the worker waits for the next one
+            conn.send(reply)
+            if reply[0] == "memory":
+                return  # a fresh worker, with a clean heap, takes the next check (the parent resends the rest)
 
 
 class RewardPool:
@@ -195,6 +206,9 @@ class RewardPool:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._procs: list[tuple[Any, Connection] | None] = [None] * workers
+        # the scoring functions each slot's current worker has imported: its checks of them start at once, with no
+        # "start" message (a fresh worker has none)
+        self._loaded: list[set[str]] = [set() for _ in range(workers)]
         self._threads: list[threading.Thread] = []
         self._started = self._closed = False
 
@@ -242,27 +256,40 @@ class RewardPool:
     # -- scoring -----------------------------------------------------------------------------------------------
 
     def submit(self, fn: ScoreFn, item: dict) -> concurrent.futures.Future:
-        ref = function_ref(fn)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._closed or not self._started:
-                raise RuntimeError("reward pool is not running (use it as a context manager or call start())")
-            self._jobs.put((ref, item, future))
-        return future
+        """Score one item: a future of its `RewardResult`."""
+        return self._submit(function_ref(fn), [item], single=True)
+
+    def submit_batch(self, fn: ScoreFn, items: list[dict]) -> concurrent.futures.Future:
+        """Score `items` on one worker, in order: a future of their `RewardResult`s (see the module docstring)."""
+        return self._submit(function_ref(fn), list(items), single=False)
 
     def score(self, fn: ScoreFn, items: Iterable[dict]) -> list[RewardResult]:
-        futures = [self.submit(fn, item) for item in items]
-        return [f.result() for f in futures]
+        futures = [self.submit_batch(fn, batch) for batch in self._batches(items)]
+        return [r for f in futures for r in f.result()]
 
     async def score_async(self, fn: ScoreFn, items: Iterable[dict]) -> list[RewardResult]:
-        futures = [asyncio.wrap_future(self.submit(fn, item)) for item in items]
-        return list(await asyncio.gather(*futures))
+        futures = [asyncio.wrap_future(self.submit_batch(fn, batch)) for batch in self._batches(items)]
+        return [r for batch in await asyncio.gather(*futures) for r in batch]
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
 
     # -- internals ---------------------------------------------------------------------------------------------
+
+    def _submit(self, ref: str, items: list[dict], single: bool) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed or not self._started:
+                raise RuntimeError("reward pool is not running (use it as a context manager or call start())")
+            self._jobs.put((ref, items, future, single))
+        return future
+
+    def _batches(self, items: Iterable[dict]) -> list[list[dict]]:
+        """`items` in one batch per worker (so that the workers share them), of at most MAX_BATCH items."""
+        items = list(items)
+        size = min(MAX_BATCH, max(1, -(-len(items) // self.workers)))
+        return [items[i:i + size] for i in range(0, len(items), size)]
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -278,56 +305,89 @@ class RewardPool:
 
     def _feed(self, slot: int) -> None:
         while (job := self._jobs.get()) is not None:
-            ref, item, future = job
+            ref, items, future, single = job
             if not future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             try:
-                future.set_result(self._score_on(slot, ref, item))
+                results = self._score_on(slot, ref, items)
+                future.set_result(results[0] if single else results)
             except Exception as e:  # pool closing, or a failed respawn: fail this job, keep the feeder alive
                 future.set_exception(e)
         _stop(*self._procs[slot], kill=False)
 
-    def _score_on(self, slot: int, ref: str, item: dict) -> RewardResult:
-        proc, conn = self._procs[slot]
-        result, outcome = self._run(proc, conn, ref, item)
-        if outcome in ("timeouts", "crashes", "out_of_memory"):
-            _stop(proc, conn, kill=True)
-            if self._closed:
-                raise RuntimeError("reward pool closed while the check was running")
-            logger.warning("reward worker %d replaced after %s", slot, result.info)
-            self._procs[slot] = self._spawn(slot)
-            self._count("workers_replaced")
-        self._count(outcome)
-        return result
+    def _score_on(self, slot: int, ref: str, items: list[dict]) -> list[RewardResult]:
+        """Every item's result, in order. A check that times out, crashes or runs out of memory costs its own item
+        and its worker; the items after it go to the fresh worker."""
+        results: list[RewardResult] = []
+        while len(results) < len(items):
+            proc, conn = self._procs[slot]
+            for result, outcome in self._run(proc, conn, ref, items[len(results):], self._loaded[slot]):
+                results.append(result)
+                self._count(outcome)
+                if outcome in ("timeouts", "crashes", "out_of_memory"):
+                    _stop(proc, conn, kill=True)
+                    if self._closed:
+                        raise RuntimeError("reward pool closed while the check was running")
+                    logger.warning("reward worker %d replaced after %s", slot, result.info)
+                    self._procs[slot] = self._spawn(slot)
+                    self._loaded[slot] = set()
+                    self._count("workers_replaced")
+                    break  # the rest of the batch, if any, on the fresh worker
+        return results
 
-    def _run(self, proc: Any, conn: Connection, ref: str, item: dict) -> tuple[RewardResult, str]:
-        """One job on one worker: (result, counter name). The deadline starts when the worker says "start"."""
+    def _run(self, proc: Any, conn: Connection, ref: str, items: list[dict], loaded: set[str]
+             ) -> Iterator[tuple[RewardResult, str]]:
+        """A batch on one worker: (result, counter name) per item, in order, up to the first that costs the worker
+        (timeout, crash, out of memory). Each check's deadline starts when the one before it answered, or, for a
+        function the worker has yet to import, when the worker says "start"."""
         try:
-            conn.send((ref, item))
+            conn.send((ref, items))
         except (OSError, EOFError):  # the worker died while idle
-            return _crashed(proc), "crashes"
-        except Exception as e:  # the item could not be pickled; nothing reached the worker
-            return RewardResult(0.0, {}, f"error: cannot send item: {type(e).__name__}: {e}"), "errors"
-        started = False
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if not conn.poll(max(remaining, 0.0)):  # past the deadline, still take a result already sent
-                what = f"no result within {self.timeout_s:g} s" if started else \
-                    f"the worker did not start the check within {self.start_timeout_s:g} s"
-                return RewardResult(0.0, {}, f"timeout: {what}"), "timeouts"
-            try:
-                kind, value = conn.recv()
-            except (EOFError, OSError):
-                return _crashed(proc), "crashes"
-            if kind == "start":
+            yield _crashed(proc), "crashes"
+            return
+        except Exception:  # an item could not be pickled; nothing reached the worker
+            yield from self._unpicklable(proc, conn, ref, items, loaded)
+            return
+        for _ in items:
+            started = ref in loaded
+            deadline = time.monotonic() + (self.timeout_s if started else self.start_timeout_s)
+            while True:
+                remaining = deadline - time.monotonic()
+                if not conn.poll(max(remaining, 0.0)):  # past the deadline, still take a result already sent
+                    what = f"no result within {self.timeout_s:g} s" if started else \
+                        f"the worker did not start the check within {self.start_timeout_s:g} s"
+                    yield RewardResult(0.0, {}, f"timeout: {what}"), "timeouts"
+                    return
+                try:
+                    kind, value = conn.recv()
+                except (EOFError, OSError):
+                    yield _crashed(proc), "crashes"
+                    return
+                if kind != "start":
+                    break
+                loaded.add(ref)
                 started, deadline = True, time.monotonic() + self.timeout_s
-            elif kind == "ok":
-                return value, "scored"
+            if kind == "ok":
+                yield value, "scored"
             elif kind == "memory":
-                return RewardResult(0.0, {}, f"out of memory: {value}"), "out_of_memory"
+                yield RewardResult(0.0, {}, f"out of memory: {value}"), "out_of_memory"
+                return
             else:
-                return RewardResult(0.0, {}, f"error: {value}"), "errors"
+                yield RewardResult(0.0, {}, f"error: {value}"), "errors"
+
+    def _unpicklable(self, proc: Any, conn: Connection, ref: str, items: list[dict], loaded: set[str]
+                     ) -> Iterator[tuple[RewardResult, str]]:
+        """A batch that could not be sent: each item that cannot be pickled is an error, the others are scored."""
+        for item in items:
+            try:
+                ForkingPickler.dumps(item)  # what Connection.send pickles with
+            except Exception as e:
+                yield RewardResult(0.0, {}, f"error: cannot send item: {type(e).__name__}: {e}"), "errors"
+                continue
+            for result in self._run(proc, conn, ref, [item], loaded):
+                yield result
+                if result[1] in ("timeouts", "crashes", "out_of_memory"):
+                    return
 
 
 def _crashed(proc: Any) -> RewardResult:
