@@ -50,8 +50,13 @@ def _plan(args: argparse.Namespace) -> int:
     return plan.main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from pipelinerl import serve
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with `command` only that command's arguments filled in: the modules that add
+    the others' (serve, eval, conformance, plan) import torch, transformers and more, about 2 s that `pipelinerl
+    run` would spend before it starts any role."""
+
+    def wanted(name: str) -> bool:
+        return command is None or command == name
 
     parser = argparse.ArgumentParser(prog="pipelinerl", description="Pipelined RL for LLM reasoners with "
                                      "in-flight weight updates.")
@@ -65,31 +70,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve a model through the inference contract",
                          description="Start an inference server implementing the pipelinerl contract.")
-    serve.add_arguments(srv)
+    if wanted("serve"):
+        from pipelinerl import serve
+
+        serve.add_arguments(srv)
     srv.set_defaults(func=_serve)
 
     ev = sub.add_parser("eval", help="evaluate a model: avg@k and pass@k per benchmark, and their mean",
                         description="Evaluate a model served by any engine on a task or dataset.")
-    from pipelinerl import eval as evaluation
+    if wanted("eval"):
+        from pipelinerl import eval as evaluation
 
-    evaluation.add_arguments(ev)
+        evaluation.add_arguments(ev)
     ev.set_defaults(func=_eval)
 
     conf = sub.add_parser("conformance", help="check an engine against the inference contract",
                           description="Run the contract's conformance suite against an engine URL; prints a "
                                       "PASS/FAIL table and exits non-zero on failure.")
-    from pipelinerl import conformance
+    if wanted("conformance"):
+        from pipelinerl import conformance
 
-    conformance.add_arguments(conf)
+        conformance.add_arguments(conf)
     conf.set_defaults(func=_conformance)
 
     pl = sub.add_parser("plan", help="where every process goes and the memory each GPU needs (no GPU needed)",
                         description="Plan a recipe on a cluster (its `resources`, or the flags): placement per node, "
                                     "memory per GPU, whether it fits and what to change if not. Exit 0: fits, "
                                     "1: does not fit, 2: config error.")
-    from pipelinerl import plan as planning
+    if wanted("plan"):
+        from pipelinerl import plan as planning
 
-    planning.add_arguments(pl)
+        planning.add_arguments(pl)
     pl.set_defaults(func=_plan)
 
     plot = sub.add_parser("plot", help="PNG curves of one or more runs",
@@ -111,11 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+COMMANDS = ("run", "serve", "eval", "conformance", "plan", "plot", "data")
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipelinerl.procs import die_with_parent
 
     die_with_parent()
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # only the command given gets its arguments (and imports); with none, or an unknown one, all do, for the help
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(command).parse_args(argv)
     return int(args.func(args) or 0)
 
 

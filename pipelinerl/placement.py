@@ -205,8 +205,17 @@ def advertised_host(bind_host: str, master_addr: str, master_port: int) -> str:
         return s.getsockname()[0]
 
 
+# Device files a GPU driver makes: NVIDIA's (also in containers given GPUs), AMD ROCm's, and WSL2's GPU bridge.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
 def detect_gpus() -> int:
-    """GPUs this process can use (honours CUDA_VISIBLE_DEVICES); 0 without CUDA."""
+    """GPUs this process can use (honours CUDA_VISIBLE_DEVICES); 0 without CUDA.
+
+    Where no GPU driver is there to ask, 0 without importing torch: the launcher asks before it starts any role,
+    and torch's import (about 1 s on a small CPU) would delay every role's start by as much."""
+    if not any(os.path.exists(f) for f in GPU_DEVICE_FILES):
+        return 0
     try:
         import torch
 

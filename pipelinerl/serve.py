@@ -8,8 +8,6 @@ import os
 import socket
 import sys
 
-import torch
-
 from pipelinerl.auth import ApiKeyMiddleware, serve_api_key
 
 log = logging.getLogger(__name__)
@@ -55,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_model(path: str, dtype: str = "float32", device: str | None = None):
     """A transformers causal LM and its tokenizer (None when the directory has no tokenizer)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.exists(path) and os.environ.get("HF_HUB_OFFLINE") == "1":
@@ -72,6 +71,10 @@ GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 def build_app(args: argparse.Namespace):
+    # torch is imported here, not with the module: `pipelinerl run` builds its parser (and so imports this module)
+    # before it starts any role, and torch's import (1.6 s on 2 cores) delayed every role's start by as much
+    import torch
+
     from pipelinerl.engines.embedded.cpus import CpuListError, CpuSplit, parse_cpu_list
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
     from pipelinerl.engines.server import create_app

@@ -287,3 +287,15 @@ def test_roles_wait_for_the_engine_urls_the_launcher_writes_once_the_engines_ans
     assert engine_urls(f"@{tmp_path / 'never'}", should_stop=lambda: True) is None
     with pytest.raises(TimeoutError, match="never"):
         engine_urls(f"@{tmp_path / 'never'}", timeout_s=0.2)
+
+
+
+def test_gpus_are_counted_by_torch_where_a_gpu_driver_is(monkeypatch):
+    """Without a GPU driver's device file the count is 0 without torch (tests/test_serve.py); with one, torch is
+    asked (here it sees no GPU)."""
+    import torch
+
+    from pipelinerl import placement
+
+    monkeypatch.setattr(placement.os.path, "exists", lambda path: True)
+    assert placement.detect_gpus() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)

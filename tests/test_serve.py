@@ -1,7 +1,13 @@
-"""The servers' listening socket (`pipelinerl.serve.bind`), which uvicorn serves on."""
+"""The servers' listening socket (`pipelinerl.serve.bind`), which uvicorn serves on, and the command line in front of
+it."""
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
+
+import pytest
 
 from pipelinerl.serve import bind
 
@@ -37,3 +43,19 @@ def test_served_connections_send_small_writes_at_once():
     plain.bind(("127.0.0.1", 0))
     plain.listen()
     assert asyncio.run(_nodelay_of_accepted(plain)) == 0
+
+
+def test_pipelinerl_run_parses_its_command_line_and_counts_gpus_without_torch():
+    """The launcher parses its command line and counts GPUs before it starts any role; torch's import there
+    (1.6 s on 2 cores, through the parsers of `serve` and `conformance`, and again to count no GPUs) delayed every
+    role's start. (Checking the recipe's algorithm names still imports it: the registry's built-in losses are
+    torch functions.)"""
+    from pipelinerl.placement import GPU_DEVICE_FILES
+
+    if any(os.path.exists(f) for f in GPU_DEVICE_FILES):
+        pytest.skip("a GPU driver is here: counting GPUs asks torch")
+    code = ("import sys; from pipelinerl import cli; from pipelinerl.placement import detect_gpus; "
+            "args = cli.build_parser('run').parse_args(['run', 'recipes/tiny_cpu.yaml', 'trainer.lr=1e-3']); "
+            "assert args.overrides == ['trainer.lr=1e-3'] and detect_gpus() == 0; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
