@@ -122,16 +122,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = ("run", "serve", "eval", "conformance", "plan", "plot", "data")
-
-
 def main(argv: list[str] | None = None) -> int:
     from pipelinerl.procs import die_with_parent
 
     die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
-    # only the command given gets its arguments (and imports); with none, or an unknown one, all do, for the help
-    command = argv[0] if argv and argv[0] in COMMANDS else None
+    # only the command given gets its arguments (and imports); with none (`--help`) all do. An unknown command gets
+    # none: argparse names the valid ones from the subcommands themselves
+    command = argv[0] if argv and not argv[0].startswith("-") else None
     args = build_parser(command).parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -42,6 +42,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("scored", "timeouts", "crashes", "errors", "out_of_memory", "workers_replaced")
+# the outcomes that cost the worker: it is killed (or gone) and a fresh one takes the batch's later items
+WORKER_LOST = ("timeouts", "crashes", "out_of_memory")
 MAX_BATCH = 16  # items in one job of `score` / `score_async`: larger batches balance badly over the workers
 ScoreFn = Callable[[dict], Any] | str
 
@@ -324,7 +326,7 @@ class RewardPool:
             for result, outcome in self._run(proc, conn, ref, items[len(results):], self._loaded[slot]):
                 results.append(result)
                 self._count(outcome)
-                if outcome in ("timeouts", "crashes", "out_of_memory"):
+                if outcome in WORKER_LOST:
                     _stop(proc, conn, kill=True)
                     if self._closed:
                         raise RuntimeError("reward pool closed while the check was running")
@@ -386,7 +388,7 @@ class RewardPool:
                 continue
             for result in self._run(proc, conn, ref, [item], loaded):
                 yield result
-                if result[1] in ("timeouts", "crashes", "out_of_memory"):
+                if result[1] in WORKER_LOST:
                     return
 
 
