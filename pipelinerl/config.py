@@ -279,6 +279,11 @@ class TrainerConfig:
     # auto: flash_attention_2 on GPUs where flash-attn imports (else sdpa, with a warning), sdpa on CPU.
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
+    # how a CPU trainer multiplies its float32 linear layers (forward and backward): auto | blas | onednn. auto
+    # times both kernels on the model's weight shapes at start-up and takes oneDNN where it is faster: torch's
+    # BLAS (MKL) runs AVX2 code on AMD CPUs, where oneDNN's AVX-512 kernels made a step 1.75x faster on a Zen 5
+    # EPYC (docs/benchmarks.md). Sharded (ZeRO-3, FSDP) and GPU trainers always use torch's own path.
+    linear_kernel: str = "auto"
     # a group's samples in one micro-batch share their prompt where that costs less: the prompt goes through the
     # model once, its completions after it under a mask (sdpa, eager; never with flash-attention or a critic). The
     # same log-probs and gradients; short answers to long prompts (the tiny recipe) train in ~40% of the tokens
@@ -301,6 +306,7 @@ class TrainerConfig:
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
                "must be two numbers in [0, 1)")
         _check_choice(self.schedule, ("constant", "cosine"), "trainer.schedule")
+        _check_choice(self.linear_kernel, ("auto", "blas", "onednn"), "trainer.linear_kernel")
         self._check_algorithm()
         _check_choice(self.kl_estimator, ("k1", "k2", "k3"), "trainer.kl_estimator")
         _check(self.ppo_minibatches >= 1, "trainer.ppo_minibatches", "must be at least 1")

@@ -34,6 +34,7 @@ from pipelinerl.rl.packing import PackedBatch, build_packed_batch, packed_model_
 from pipelinerl.rl.values import gae_advantages, value_loss
 from pipelinerl.trainer import update
 from pipelinerl.trainer.batch import MicroBatch, StepBatch
+from pipelinerl.trainer.linear_kernels import route_linears
 from pipelinerl.trainer.optim import param_groups
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 class Critic:
     """V(s) for every token, GAE from it, and its own training on the returns."""
 
-    def __init__(self, model_path: str, cfg: TrainerConfig, accelerator: Accelerator, attn_implementation: str):
+    def __init__(self, model_path: str, cfg: TrainerConfig, accelerator: Accelerator, attn_implementation: str,
+                 onednn_shapes: set[tuple[int, int]] | None = None):
         self.cfg, self.critic_cfg, self.accelerator = cfg, cfg.critic, accelerator
         config = AutoConfig.from_pretrained(model_path, num_labels=1)
         config.classifier_dropout = 0.0  # a regression target: no dropout on the head (transformers' default 0.1)
@@ -50,6 +52,7 @@ class Critic:
                                                                 attn_implementation=attn_implementation)
         model.config.use_cache = False
         _zero_(model.score)
+        route_linears(model, onednn_shapes or set())  # the policy's choice (linear_kernels.py)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         betas = (float(cfg.betas[0]), float(cfg.betas[1]))

@@ -1,0 +1,155 @@
+"""The trainer's float32 linear layers through oneDNN on CPUs where oneDNN multiplies faster than BLAS.
+
+On a CPU, torch multiplies a float32 `nn.Linear` (forward and backward) with its BLAS, MKL in the x86 wheels. MKL
+picks its kernels by CPU vendor: on AMD CPUs with AVX-512 it ran at 104-117 GFLOP/s on one core of a Zen 5 EPYC,
+where oneDNN, which torch also ships and which picks kernels by instruction set, ran the same products at
+162-267 GFLOP/s (docs/benchmarks.md, "The trainer's matmuls through oneDNN"). On Intel CPUs MKL is as fast or
+faster. So `trainer.linear_kernel: auto` times both kernels on the model's own weight shapes at start-up, on the
+trainer's threads, and routes through oneDNN only the shapes where it was faster.
+
+A routed layer keeps its module, parameters, hooks and state dict; only its forward changes, to
+`OneDNNLinear`, whose backward makes the same two products as `F.linear`'s (input and weight gradients), also
+through oneDNN. Models whose parameters are sharded (ZeRO-3, FSDP) or not float32 on a CPU keep torch's path, and a
+routed layer called under autocast (trainer.mixed_precision bf16) takes torch's path for that call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+LINEAR_KERNELS = ("auto", "blas", "onednn")
+# a shape is routed through oneDNN when its forward and backward products took at most this share of BLAS's time:
+# a margin wide enough that timing noise does not flip the choice (measured shares: 0.42-0.66 on a Zen 5 EPYC for
+# shapes from 64x64 up, 0.96 at 32x32)
+FASTER_BY = 0.8
+# rows of the timed products: enough to be a training product, few enough that timing stays well under a second
+# for a ~100M model (a product of at most TIMED_MACS multiply-adds, at least TIMED_MIN_ROWS rows)
+TIMED_MACS = 1 << 28
+TIMED_MIN_ROWS, TIMED_MAX_ROWS = 64, 2048
+
+
+def _onednn_mm(a: Tensor, b_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """a @ b_t.T (+ bias) by oneDNN; either operand may be a transposed view (oneDNN reads its strides)."""
+    return torch.ops.mkldnn._linear_pointwise.default(a, b_t, bias, "none", [], "")
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """`F.linear(x, weight, bias)` with the forward and both backward products by oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias, ctx.input_shape = bias is not None, x.shape
+        return _onednn_mm(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        rows, weight = ctx.saved_tensors
+        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _onednn_mm(grad_rows, weight.t()).view(ctx.input_shape)  # dy @ W
+        if ctx.needs_input_grad[1]:
+            grad_w = _onednn_mm(grad_rows.t(), rows.t())  # dy^T @ x
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_rows.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _onednn_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    if x.dtype != self.weight.dtype or torch.is_autocast_enabled("cpu"):  # mixed precision: autocast's own path
+        return F.linear(x, self.weight, self.bias)
+    return OneDNNLinear.apply(x, self.weight, self.bias)
+
+
+def onednn_usable() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def routable(module: nn.Module) -> bool:
+    """A float32 nn.Linear whose weight is a whole, plain tensor on the CPU (not a ZeRO-3 / FSDP shard)."""
+    w = getattr(module, "weight", None)
+    return (isinstance(module, nn.Linear) and type(w) is nn.Parameter and w.device.type == "cpu"
+            and w.dtype == torch.float32 and w.dim() == 2 and w.numel() > 0)
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: oneDNN builds and caches the primitive on its first call
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.no_grad()
+def time_shape(out_f: int, in_f: int, repeats: int = 3) -> tuple[float, float]:
+    """(BLAS seconds, oneDNN seconds) for one training step's products of a weight [out_f, in_f]: the forward,
+    the input gradient and the weight gradient, each the best of `repeats` calls, on random operands."""
+    rows = max(TIMED_MIN_ROWS, min(TIMED_MAX_ROWS, TIMED_MACS // (out_f * in_f)))
+    x, w, dy = torch.rand(rows, in_f), torch.rand(out_f, in_f), torch.rand(rows, out_f)
+    blas = (lambda: torch.nn.functional.linear(x, w), lambda: dy @ w, lambda: dy.t() @ x)
+    onednn = (lambda: _onednn_mm(x, w), lambda: _onednn_mm(dy, w.t()), lambda: _onednn_mm(dy.t(), x.t()))
+    return (sum(_best(f, repeats) for f in blas), sum(_best(f, repeats) for f in onednn))
+
+
+def choose_shapes(model: nn.Module, kernel: str) -> set[tuple[int, int]]:
+    """The weight shapes of `model`'s routable linear layers to multiply through oneDNN, by `kernel`: "blas"
+    none, "onednn" all, "auto" those where oneDNN's three products took at most FASTER_BY of BLAS's time (timed once per
+    process and thread count)."""
+    if kernel not in LINEAR_KERNELS:
+        raise ValueError(f"trainer.linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
+    shapes = {tuple(m.weight.shape) for m in model.modules() if routable(m)}
+    if kernel == "blas" or not shapes or not onednn_usable():
+        return set()
+    if kernel == "onednn":
+        return shapes
+    return {shape for shape in shapes if _onednn_faster(*shape, torch.get_num_threads())}
+
+
+# {(out, in, threads): oneDNN chosen}: decided once per process, so that every model the process builds (the
+# policy, its reference, its critic, a second trainer in a test) multiplies a shape the same way
+_decisions: dict[tuple[int, int, int], bool] = {}
+
+
+def _onednn_faster(out_f: int, in_f: int, threads: int) -> bool:
+    key = (out_f, in_f, threads)
+    if key not in _decisions:
+        blas_s, onednn_s = time_shape(out_f, in_f)
+        log.debug("linear %dx%d on %d threads: BLAS %.2f ms, oneDNN %.2f ms", out_f, in_f, threads, blas_s * 1e3,
+                  onednn_s * 1e3)
+        _decisions[key] = onednn_s <= FASTER_BY * blas_s
+    return _decisions[key]
+
+
+def route_linears(model: nn.Module, shapes: set[tuple[int, int]]) -> int:
+    """Make every routable linear layer of `model` with a weight shape in `shapes` multiply through oneDNN
+    (`OneDNNLinear`); returns how many. Its parameters, hooks and state dict stay as they are."""
+    routed = 0
+    for module in model.modules():
+        if routable(module) and tuple(module.weight.shape) in shapes:
+            module.forward = types.MethodType(_onednn_forward, module)
+            routed += 1
+    return routed
+
+
+def unroute_linears(model: nn.Module) -> int:
+    """Back to torch's own forward for every layer `route_linears` routed; returns how many."""
+    count = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__func__", None) is _onednn_forward:
+            del module.forward
+            count += 1
+    return count
