@@ -30,7 +30,10 @@ Where the difference goes:
 - `variants`: the trainer with one feature switched on or changed through its config, in the same rounds:
   `kl_reference` (kl_coef 0.05: a frozen reference model's forward per micro-batch, KL in the loss),
   `entropy_bonus` (entropy_coef 0.01: the entropy carries a gradient), `logprob_chunk_256`
-  (logprob_chunk_tokens 256 instead of 1024); and `bare_chunked_head`, the bare loop with the trainer's
+  (logprob_chunk_tokens 256 instead of 1024), `linear_kernel_auto` (the trainer's default: its linear layers
+  through oneDNN where that was timed faster than torch's BLAS; the headline trainer and the bare loop both use
+  torch's own matmuls, `linear_kernel: blas`, so that the ratio measures the framework); and
+  `bare_chunked_head`, the bare loop with the trainer's
   log-prob gathering (`pipelinerl.rl.packing.packed_logprobs`: chunked LM head whose backward recomputes the
   logits of every chunk but the first, the layout built per forward) in place of log_softmax + gather. Each
   gives seconds per step and its cost over the side it changes (median over rounds of the paired difference,
@@ -112,7 +115,7 @@ MODELS = (
 )
 # trainer config changes timed alongside the default: one feature each
 VARIANTS = {"kl_reference": {"kl_coef": 0.05}, "entropy_bonus": {"entropy_coef": 0.01},
-            "logprob_chunk_256": {"logprob_chunk_tokens": 256}}
+            "logprob_chunk_256": {"logprob_chunk_tokens": 256}, "linear_kernel_auto": {"linear_kernel": "auto"}}
 
 
 def run(quick: bool = False) -> dict:
@@ -187,6 +190,9 @@ def make_batch(num_samples: int, vocab_size: int, seed: int = 0, prompt_tokens: 
 def trainer_config(spec: ModelSpec, **changes):
     from pipelinerl.config import TrainerConfig
 
+    # torch's own matmuls, as the bare loop's nn.Linear: the ratio measures the framework, not the kernel choice
+    # (the `linear_kernel_auto` variant is the trainer as a recipe runs it, oneDNN where timed faster)
+    changes = {"linear_kernel": "blas", **changes}
     return TrainerConfig(lr=LR, grad_clip=GRAD_CLIP, policy_loss="ppo_clip", advantage="grpo",
                          samples_per_step=spec.samples, micro_batch_tokens=spec.micro_batch_tokens, threads=THREADS,
                          **changes)
