@@ -27,15 +27,15 @@ speed hits them alike). At 494M parameters a batch of 32 prompts is ~800 prompt 
 prefill takes longer than the decoding of NEW_TOKENS: without the subtraction the ratio would mostly compare
 prefills. `e2e_tokens_per_s` (B x N / T(N)) is reported too. Ratios are the median over rounds of each round's
 own ratio: `vs_hf` = engine / hf, `vs_vllm` = engine_http / vllm (decode). Why the ratios are what they are: each
-row carries the share of the engine's decode step spent in the linear layers' matmul kernels (`decode_profile`;
-HF's `generate` runs the same kernels, so where that share is high only faster kernels or fewer bytes can widen the
-gap) and, at batch 1, the memory roofline: one thread's measured read bandwidth over the float32 weights' bytes,
-the most tokens/s any engine reading every weight once per token could decode (`add_roofline`), and at every
-batch the compute roofline: one thread's measured float32 matmul FLOP/s (the best large square product) over the
-2 x parameters FLOPs a token's linear layers take, the most tokens/s any engine doing those multiply-adds in
-float32 could decode (`add_compute_roofline`). Targets (issue
-21): vs_hf >= 2 and vs_vllm >= 1 in every cell; `ratio` (the headline) is the smallest vs_hf, `passed` needs both
-targets everywhere.
+row carries the share of the engine's decode step spent in the linear layers' matmul kernels (`decode_profile`; HF's
+`generate` runs torch's BLAS kernels, the engine the faster of BLAS and oneDNN for each weight shape, so where that
+share is high only faster kernels or fewer bytes can widen the gap) and, at batch 1, the memory roofline: one
+thread's measured read bandwidth over the float32 weights' bytes, the most tokens/s any engine reading every weight
+once per token could decode (`add_roofline`), and at every batch the compute roofline: one thread's measured float32
+matmul FLOP/s (the best large square product, of torch's BLAS and oneDNN; on AMD CPUs MKL runs AVX2 code and oneDNN
+can be twice as fast) over the 2 x parameters FLOPs a token's linear layers take, the most tokens/s any engine doing
+those multiply-adds in float32 could decode (`add_compute_roofline`). Targets (issue 21): vs_hf >= 2 and vs_vllm >=
+1 in every cell; `ratio` (the headline) is the smallest vs_hf, `passed` needs both targets everywhere.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def run(quick: bool = False) -> dict:
     torch.set_num_threads(THREADS)
     vllm_reason = "not run with --quick" if quick else _vllm_missing()
     bandwidth = read_bandwidth()
-    peak = matmul_peak()
+    peaks = matmul_peak()
+    peak = max(peaks.values())
     sizes = ["20m"] if quick else list(SIZES)
     rows: list[dict] = []
     started = time.perf_counter()
@@ -121,6 +122,7 @@ def run(quick: bool = False) -> dict:
                                   "interleaved rounds of each round's ratio"},
         "read_gb_per_s": round(bandwidth / 1e9, 2),
         "matmul_gflop_per_s": round(peak / 1e9, 1),
+        "matmul_gflop_per_s_by_kernel": {k: round(v / 1e9, 1) for k, v in peaks.items()},
         "seconds": round(time.perf_counter() - started, 1),
         "machine": machine(),
     }
@@ -310,18 +312,25 @@ def read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
-def matmul_peak(sizes: Sequence[int] = (1024, 2048), repeats: int = 3) -> float:
-    """FLOP/s of one thread's float32 matmul at its best: the fastest of `repeats` square products of each size
-    (large enough that the kernel, not memory or dispatch, sets the time). A decode step's linear layers do 2 x
-    parameters FLOPs per token, so this over that bounds tokens/s at any batch, on any side, in float32."""
-    best = 0.0
+def matmul_peak(sizes: Sequence[int] = (1024, 2048), repeats: int = 3) -> dict[str, float]:
+    """FLOP/s of one thread's float32 matmul at its best, by kernel: torch's BLAS (`a @ b`, MKL) and oneDNN (the
+    kernel the engine's packed weights and the trainer's `linear_kernel` use), each the fastest of `repeats` square
+    products of each size (large enough that the kernel, not memory or dispatch, sets the time). A decode step's
+    linear layers do 2 x parameters FLOPs per token, so the faster kernel's figure over that bounds tokens/s at any
+    batch, on any side using torch's kernels, in float32. (MKL runs AVX2 code on AMD CPUs: on a Zen 5 EPYC oneDNN
+    was 2.2x faster, so the BLAS figure alone is no bound there.)"""
+    kernels = {"blas": lambda a, b: a @ b}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        kernels["onednn"] = lambda a, b: torch.ops.mkldnn._linear_pointwise.default(a, b, None, "none", [], "")
+    best = dict.fromkeys(kernels, 0.0)
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        a @ b
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+        for name, mm in kernels.items():
+            mm(a, b)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                mm(a, b)
+                best[name] = max(best[name], 2 * n**3 / (time.perf_counter() - t0))
     return best
 
 
