@@ -11,8 +11,9 @@ import traceback
 
 from bench.common import RESULTS_DIR, format_table, write_result
 
-MODULES = ("engine_decode", "engine_updates", "trainer_weight_sync", "trainer_vs_bare", "pipeline_vs_sync",
-           "pipeline_heavy", "engine_vs_vllm", "engine_scale", "engine_gpu", "vllm_pause", "sandbox", "startup")
+MODULES = ("engine_decode", "engine_updates", "trainer_weight_sync", "trainer_vs_bare", "linear_kernels",
+           "pipeline_vs_sync", "pipeline_heavy", "engine_vs_vllm", "engine_scale", "engine_gpu", "vllm_pause",
+           "sandbox", "startup")
 
 
 def discover() -> dict[str, object]:

@@ -38,15 +38,19 @@ def machine() -> dict:
     import transformers
 
     cpu = platform.processor() or platform.machine()
+    family = None  # a VM may name only the vendor ("AMD EPYC"); the family and model say which generation
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                    if ":" in line)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        cpu = info.get("model name", cpu)
+        if "cpu family" in info:
+            family = f"family {info['cpu family']}, model {info.get('model', '?')}"
     except OSError:
         pass
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "cores": os.cpu_count(), "cpu": cpu,
+            "cpu_family": family,
             "cuda": torch.cuda.is_available(),
             "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
 

@@ -91,6 +91,11 @@ def test_a_routed_model_gives_the_same_logprobs_and_gradients(model_dir):
         out = q_proj(torch.randn(2, 64))
     assert out.dtype == torch.bfloat16 and "OneDNN" not in type(out.grad_fn).__name__
 
+    moved = nn.Linear(64, 8)  # a routed model moved off the CPU (to a GPU, by accelerate): torch's path
+    assert lk.route_linears(moved, {(8, 64)}) == 1
+    moved.to("meta")
+    assert "forward" in moved.__dict__ and moved(torch.empty(2, 64, device="meta")).shape == (2, 8)
+
     assert lk.unroute_linears(model) == len(linears)
     assert "OneDNN" not in type(q_proj(torch.randn(2, 64, requires_grad=True)).grad_fn).__name__
 

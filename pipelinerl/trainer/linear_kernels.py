@@ -67,7 +67,8 @@ class OneDNNLinear(torch.autograd.Function):
 
 
 def _onednn_forward(self: nn.Linear, x: Tensor) -> Tensor:
-    if x.dtype != self.weight.dtype or torch.is_autocast_enabled("cpu"):  # mixed precision: autocast's own path
+    # a model moved off the CPU after routing (accelerate moves it to the GPU), or mixed precision: torch's path
+    if x.device.type != "cpu" or x.dtype != self.weight.dtype or torch.is_autocast_enabled("cpu"):
         return F.linear(x, self.weight, self.bias)
     return OneDNNLinear.apply(x, self.weight, self.bias)
 

@@ -209,10 +209,10 @@ class Trainer:
         return ref
 
     def _onednn_shapes(self, model: nn.Module) -> set[tuple[int, int]]:
-        """trainer.linear_kernel's choice (linear_kernels.py); none for a sharded model, whose layers are
-        multiplied on gathered weights by ZeRO-3's / FSDP's own hooks."""
-        if self.is_zero3 or self.is_fsdp:
-            return set()
+        """trainer.linear_kernel's choice (linear_kernels.py); none on a GPU, and none for a sharded model, whose
+        layers are multiplied on gathered weights by ZeRO-3's / FSDP's own hooks."""
+        if self.accelerator.device.type != "cpu" or self.is_zero3 or self.is_fsdp:
+            return set()  # the policy is loaded on the CPU, then moved: decide by where it will train
         start = time.perf_counter()
         shapes = choose_shapes(model, self.cfg.linear_kernel)
         routed = sum(1 for m in model.modules() if routable(m) and tuple(m.weight.shape) in shapes)
