@@ -27,13 +27,16 @@ from torch import Tensor, nn
 log = logging.getLogger(__name__)
 
 LINEAR_KERNELS = ("auto", "blas", "onednn")
+# auto leaves weights smaller than this on BLAS untimed: there the two kernels were within the timing noise (64x64:
+# oneDNN took 0.79-0.89 of BLAS's time from run to run) and a step's time is elsewhere
+AUTO_MIN_ELEMENTS = 8192
 # a shape is routed through oneDNN when its forward and backward products took at most this share of BLAS's time:
 # a margin wide enough that timing noise does not flip the choice (measured shares: 0.42-0.66 on a Zen 5 EPYC for
 # shapes from 64x64 up, 0.96 at 32x32)
 FASTER_BY = 0.8
 # rows of the timed products: enough to be a training product, few enough that timing stays well under a second
 # for a ~100M model (a product of at most TIMED_MACS multiply-adds, at least TIMED_MIN_ROWS rows)
-TIMED_MACS = 1 << 28
+TIMED_MACS = 1 << 26
 TIMED_MIN_ROWS, TIMED_MAX_ROWS = 64, 2048
 
 
@@ -107,8 +110,8 @@ def time_shape(out_f: int, in_f: int, repeats: int = 3) -> tuple[float, float]:
 
 def choose_shapes(model: nn.Module, kernel: str) -> set[tuple[int, int]]:
     """The weight shapes of `model`'s routable linear layers to multiply through oneDNN, by `kernel`: "blas"
-    none, "onednn" all, "auto" those where oneDNN's three products took at most FASTER_BY of BLAS's time (timed once per
-    process and thread count)."""
+    none, "onednn" all, "auto" those of at least AUTO_MIN_ELEMENTS where oneDNN's three products took at most FASTER_BY
+    of BLAS's time (timed once per process and thread count)."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"trainer.linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
     shapes = {tuple(m.weight.shape) for m in model.modules() if routable(m)}
@@ -116,7 +119,7 @@ def choose_shapes(model: nn.Module, kernel: str) -> set[tuple[int, int]]:
         return set()
     if kernel == "onednn":
         return shapes
-    return {shape for shape in shapes if _onednn_faster(*shape, torch.get_num_threads())}
+    return {(o, i) for o, i in shapes if o * i >= AUTO_MIN_ELEMENTS and _onednn_faster(o, i, torch.get_num_threads())}
 
 
 # {(out, in, threads): oneDNN chosen}: decided once per process, so that every model the process builds (the
