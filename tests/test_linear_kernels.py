@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_trainer import step_with_grads  # the gradients an optimizer step saw
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -149,20 +150,6 @@ def _batch(i):
             s("b", [8, 9], [30, 31 + i], 0.2), s("b", [8, 9], [40], 0.7)]
 
 
-def _step_with_grads(trainer, batch):
-    grads, step = {}, trainer.optimizer.step
-
-    def capture(*args, **kwargs):
-        grads.update({n: p.grad.clone() for n, p in trainer.unwrapped_model.named_parameters()})
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = capture
-    try:
-        return trainer.optimizer_step(batch), grads
-    finally:
-        trainer.optimizer.step = step
-
-
 def test_a_trainer_through_onednn_steps_as_one_through_blas(model_dir):
     cfg = dict(lr=1e-2, samples_per_step=4, micro_batch_tokens=64, kl_coef=0.05)
     blas = Trainer(str(model_dir), TrainerConfig(linear_kernel="blas", **cfg), seed=1)
@@ -173,7 +160,7 @@ def test_a_trainer_through_onednn_steps_as_one_through_blas(model_dir):
             proj = model.model.layers[1].mlp.down_proj
             assert ("forward" in proj.__dict__) == routed
     for i in range(3):
-        (a, grads_a), (b, grads_b) = _step_with_grads(blas, _batch(i)), _step_with_grads(onednn, _batch(i))
+        (a, grads_a), (b, grads_b) = step_with_grads(blas, _batch(i)), step_with_grads(onednn, _batch(i))
         for key in ("loss", "grad_norm", "kl", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), (i, key)
         if i > 0:  # Adam's update of a near-zero gradient amplifies last-bit differences to the learning rate
