@@ -281,7 +281,7 @@ class TrainerConfig:
     gradient_checkpointing: bool = False
     # how a CPU trainer multiplies its float32 linear layers (forward and backward): auto | blas | onednn. auto
     # times both kernels on the model's weight shapes at start-up and takes oneDNN where it is faster: torch's
-    # BLAS (MKL) runs AVX2 code on AMD CPUs, where oneDNN's AVX-512 kernels made a step 1.75x faster on a Zen 5
+    # BLAS (MKL) runs AVX2 code on AMD CPUs, where oneDNN's AVX-512 kernels made a step 1.67x faster on a Zen 5
     # EPYC (docs/benchmarks.md). Sharded (ZeRO-3, FSDP) and GPU trainers always use torch's own path.
     linear_kernel: str = "auto"
     # a group's samples in one micro-batch share their prompt where that costs less: the prompt goes through the

@@ -1,11 +1,12 @@
 """The trainer's float32 linear layers through oneDNN on CPUs where oneDNN multiplies faster than BLAS.
 
 On a CPU, torch multiplies a float32 `nn.Linear` (forward and backward) with its BLAS, MKL in the x86 wheels. MKL
-picks its kernels by CPU vendor: on AMD CPUs with AVX-512 it ran at 104-117 GFLOP/s on one core of a Zen 5 EPYC,
-where oneDNN, which torch also ships and which picks kernels by instruction set, ran the same products at
-162-267 GFLOP/s (docs/benchmarks.md, "The trainer's matmuls through oneDNN"). On Intel CPUs MKL is as fast or
-faster. So `trainer.linear_kernel: auto` times both kernels on the model's own weight shapes at start-up, on the
-trainer's threads, and routes through oneDNN only the shapes where it was faster.
+picks its kernels by CPU vendor: on AMD CPUs it runs AVX2 code. On 2 cores of a Zen 5 EPYC it ran a training step's
+products at 181-227 GFLOP/s, where oneDNN, which torch also ships and which picks kernels by instruction set, ran
+them at 305-511 GFLOP/s (docs/benchmarks.md, "The trainer's matmuls through oneDNN"). On Intel CPUs MKL runs its
+AVX-512 code and oneDNN may gain nothing (not measured). So `trainer.linear_kernel: auto` times both kernels on the
+model's own weight shapes at start-up, on the trainer's threads, and routes through oneDNN only the shapes where it
+was faster.
 
 A routed layer keeps its module, parameters, hooks and state dict; only its forward changes, to
 `OneDNNLinear`, whose backward makes the same two products as `F.linear`'s (input and weight gradients), also
