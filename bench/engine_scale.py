@@ -319,9 +319,11 @@ def matmul_peak(sizes: Sequence[int] = (1024, 2048), repeats: int = 3) -> dict[s
     linear layers do 2 x parameters FLOPs per token, so the faster kernel's figure over that bounds tokens/s at any
     batch, on any side using torch's kernels, in float32. (MKL runs AVX2 code on AMD CPUs: on a Zen 5 EPYC oneDNN
     was 2.2x faster, so the BLAS figure alone is no bound there.)"""
+    from pipelinerl.models.onednn import onednn_linear, onednn_works
+
     kernels = {"blas": lambda a, b: a @ b}
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        kernels["onednn"] = lambda a, b: torch.ops.mkldnn._linear_pointwise.default(a, b, None, "none", [], "")
+    if onednn_works(torch.device("cpu"), torch.float32):
+        kernels["onednn"] = onednn_linear  # a @ b.T: the same FLOPs for square random operands
     best = dict.fromkeys(kernels, 0.0)
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)

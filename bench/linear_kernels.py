@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -37,36 +34,19 @@ SHAPES = {  # (out, in) of each model's linear layers: q, k/v, o, gate/up (each)
 }
 
 
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _products(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> list[tuple[str, Callable, Callable]]:
-    """(name, BLAS call, oneDNN call) of a training step's three products of the weight w."""
-    from pipelinerl.trainer.linear_kernels import _onednn_mm
-
-    return [("forward", lambda: torch.nn.functional.linear(x, w), lambda: _onednn_mm(x, w)),
-            ("input_grad", lambda: dy @ w, lambda: _onednn_mm(dy, w.t())),
-            ("weight_grad", lambda: dy.t() @ x, lambda: _onednn_mm(dy.t(), x.t()))]
-
-
 @torch.no_grad()
 def products(rows: int, repeats: int) -> list[dict]:
+    from pipelinerl.trainer.linear_kernels import best_seconds, training_products
+
     out = []
     for model, shapes in SHAPES.items():
         for out_f, in_f in shapes:
             x, w, dy = torch.rand(rows, in_f), torch.rand(out_f, in_f), torch.rand(rows, out_f)
             flops = 2 * rows * out_f * in_f
             row = {"model": model, "shape": f"{out_f}x{in_f}", "rows": rows}
-            for product, blas, onednn in _products(x, w, dy):
-                row[product] = {"blas_gflops": round(flops / _best(blas, repeats) / 1e9, 1),
-                                "onednn_gflops": round(flops / _best(onednn, repeats) / 1e9, 1)}
+            for product, blas, onednn in training_products(x, w, dy):
+                row[product] = {"blas_gflops": round(flops / best_seconds(blas, repeats) / 1e9, 1),
+                                "onednn_gflops": round(flops / best_seconds(onednn, repeats) / 1e9, 1)}
             out.append(row)
     return out
 

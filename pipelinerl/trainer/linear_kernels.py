@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipelinerl.models.onednn import onednn_linear, onednn_works
+
 log = logging.getLogger(__name__)
 
 LINEAR_KERNELS = ("auto", "blas", "onednn")
@@ -41,11 +43,6 @@ TIMED_MACS = 1 << 26
 TIMED_MIN_ROWS, TIMED_MAX_ROWS = 64, 2048
 
 
-def _onednn_mm(a: Tensor, b_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """a @ b_t.T (+ bias) by oneDNN; either operand may be a transposed view (oneDNN reads its strides)."""
-    return torch.ops.mkldnn._linear_pointwise.default(a, b_t, bias, "none", [], "")
-
-
 class OneDNNLinear(torch.autograd.Function):
     """`F.linear(x, weight, bias)` with the forward and both backward products by oneDNN."""
 
@@ -54,7 +51,7 @@ class OneDNNLinear(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(rows, weight)
         ctx.has_bias, ctx.input_shape = bias is not None, x.shape
-        return _onednn_mm(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return onednn_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -62,9 +59,9 @@ class OneDNNLinear(torch.autograd.Function):
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _onednn_mm(grad_rows, weight.t()).view(ctx.input_shape)  # dy @ W
+            grad_x = onednn_linear(grad_rows, weight.t()).view(ctx.input_shape)  # dy @ W
         if ctx.needs_input_grad[1]:
-            grad_w = _onednn_mm(grad_rows.t(), rows.t())  # dy^T @ x
+            grad_w = onednn_linear(grad_rows.t(), rows.t())  # dy^T @ x
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_rows.sum(0)
         return grad_x, grad_w, grad_b
@@ -77,10 +74,6 @@ def _onednn_forward(self: nn.Linear, x: Tensor) -> Tensor:
     return OneDNNLinear.apply(x, self.weight, self.bias)
 
 
-def onednn_usable() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
 def routable(module: nn.Module) -> bool:
     """A float32 nn.Linear whose weight is a whole, plain tensor on the CPU (not a ZeRO-3 / FSDP shard)."""
     w = getattr(module, "weight", None)
@@ -88,8 +81,10 @@ def routable(module: nn.Module) -> bool:
             and w.dtype == torch.float32 and w.dim() == 2 and w.numel() > 0)
 
 
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: oneDNN builds and caches the primitive on its first call
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` calls of `fn`, after one warm-up call (oneDNN builds and caches its primitive on the
+    first)."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -98,15 +93,22 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def training_products(x: Tensor, w: Tensor, dy: Tensor) -> list[tuple[str, Callable[[], Tensor], Callable[[], Tensor]]]:
+    """(name, BLAS call, oneDNN call) of a training step's three products of the weight w [out, in], for inputs x
+    [rows, in] and output gradients dy [rows, out]: the forward, the input gradient and the weight gradient."""
+    return [("forward", lambda: F.linear(x, w), lambda: onednn_linear(x, w)),
+            ("input_grad", lambda: dy @ w, lambda: onednn_linear(dy, w.t())),
+            ("weight_grad", lambda: dy.t() @ x, lambda: onednn_linear(dy.t(), x.t()))]
+
+
 @torch.no_grad()
 def time_shape(out_f: int, in_f: int, repeats: int = 3) -> tuple[float, float]:
-    """(BLAS seconds, oneDNN seconds) for one training step's products of a weight [out_f, in_f]: the forward,
-    the input gradient and the weight gradient, each the best of `repeats` calls, on random operands."""
+    """(BLAS seconds, oneDNN seconds) for one training step's products of a weight [out_f, in_f]
+    (`training_products`), each the best of `repeats` calls, on random operands."""
     rows = max(TIMED_MIN_ROWS, min(TIMED_MAX_ROWS, TIMED_MACS // (out_f * in_f)))
-    x, w, dy = torch.rand(rows, in_f), torch.rand(out_f, in_f), torch.rand(rows, out_f)
-    blas = (lambda: torch.nn.functional.linear(x, w), lambda: dy @ w, lambda: dy.t() @ x)
-    onednn = (lambda: _onednn_mm(x, w), lambda: _onednn_mm(dy, w.t()), lambda: _onednn_mm(dy.t(), x.t()))
-    return (sum(_best(f, repeats) for f in blas), sum(_best(f, repeats) for f in onednn))
+    products = training_products(torch.rand(rows, in_f), torch.rand(out_f, in_f), torch.rand(rows, out_f))
+    return (sum(best_seconds(blas, repeats) for _, blas, _ in products),
+            sum(best_seconds(onednn, repeats) for _, _, onednn in products))
 
 
 def choose_shapes(model: nn.Module, kernel: str) -> set[tuple[int, int]]:
@@ -116,7 +118,7 @@ def choose_shapes(model: nn.Module, kernel: str) -> set[tuple[int, int]]:
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"trainer.linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, got {kernel!r}")
     shapes = {tuple(m.weight.shape) for m in model.modules() if routable(m)}
-    if kernel == "blas" or not shapes or not onednn_usable():
+    if kernel == "blas" or not shapes or not onednn_works(torch.device("cpu"), torch.float32):
         return set()
     if kernel == "onednn":
         return shapes

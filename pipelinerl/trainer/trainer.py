@@ -60,7 +60,7 @@ from pipelinerl.trainer.batch import (
     set_sample_advantages,
 )
 from pipelinerl.trainer.critic import Critic
-from pipelinerl.trainer.linear_kernels import choose_shapes, routable, route_linears
+from pipelinerl.trainer.linear_kernels import choose_shapes, route_linears
 from pipelinerl.trainer.optim import build_optimizer, build_scheduler
 from pipelinerl.trainer.publisher import WeightPublisher
 from pipelinerl.weight_sync import DTYPES, WeightUpdateGroup
@@ -151,8 +151,7 @@ class Trainer:
                                                                self.cfg.micro_batch_tokens)
         model = self._load_policy()
         # float32 linear layers through oneDNN where it multiplies faster than torch's BLAS on this CPU
-        self.onednn_shapes = self._onednn_shapes(model)
-        route_linears(model, self.onednn_shapes)
+        self.onednn_shapes = self._route_policy(model)
         self.param_names = [name for name, _ in model.named_parameters()]  # tied weights appear once
         optimizer = build_optimizer(model, self.cfg)
         self.scheduler = build_scheduler(optimizer, self.cfg)  # stepped by us, never by accelerate
@@ -208,14 +207,15 @@ class Trainer:
         route_linears(ref, self.onednn_shapes)
         return ref
 
-    def _onednn_shapes(self, model: nn.Module) -> set[tuple[int, int]]:
-        """trainer.linear_kernel's choice (linear_kernels.py); none on a GPU, and none for a sharded model, whose
-        layers are multiplied on gathered weights by ZeRO-3's / FSDP's own hooks."""
+    def _route_policy(self, model: nn.Module) -> set[tuple[int, int]]:
+        """Route the policy's linear layers as trainer.linear_kernel chooses (linear_kernels.py); returns the shapes
+        routed, for the reference model and the critic. None on a GPU, and none for a sharded model, whose layers
+        are multiplied on gathered weights by ZeRO-3's / FSDP's own hooks."""
         if self.accelerator.device.type != "cpu" or self.is_zero3 or self.is_fsdp:
             return set()  # the policy is loaded on the CPU, then moved: decide by where it will train
         start = time.perf_counter()
         shapes = choose_shapes(model, self.cfg.linear_kernel)
-        routed = sum(1 for m in model.modules() if routable(m) and tuple(m.weight.shape) in shapes)
+        routed = route_linears(model, shapes)
         if routed:
             log.info("trainer.linear_kernel=%s: %d linear layers multiply through oneDNN (%s)%s",
                      self.cfg.linear_kernel, routed, ", ".join(f"{o}x{i}" for o, i in sorted(shapes)),

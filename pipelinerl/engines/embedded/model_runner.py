@@ -48,6 +48,8 @@ import torch.nn.functional as F
 
 from pipelinerl.engines.embedded.packed import PackedLayout, linear_packed
 from pipelinerl.engines.embedded.transpose import relayout_copier, relayout_copy, transposed_copy
+from pipelinerl.models.onednn import onednn_linear as _onednn_linear
+from pipelinerl.models.onednn import onednn_works
 
 FAST_PATH_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # LinearKernels times both kernels for row counts 1, 2, 4, ... up to this; more rows use the last decision.
@@ -92,12 +94,6 @@ def supports_fast_path(model: torch.nn.Module) -> bool:
         return False
     rope_type = str(getattr(inner.rotary_emb, "rope_type", "default"))
     return "dynamic" not in rope_type and rope_type != "longrope"  # those depend on the sequence length
-
-
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise.default(x, w, b, "none", [], "")
-
-
 
 
 class LinearKernels:
@@ -322,15 +318,7 @@ def keep_freed_memory() -> bool:
 
 def _onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN linears on this device and dtype, unless PIPELINERL_ONEDNN=0; checked once against F.linear."""
-    if os.environ.get("PIPELINERL_ONEDNN", "1") == "0" or device.type != "cpu" or dtype != torch.float32:
-        return False
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        x, w, b = torch.arange(48.0).view(3, 16) / 47, torch.arange(128.0).view(8, 16).cos(), torch.arange(8.0)
-        return torch.allclose(_onednn_linear(x, w, b), F.linear(x, w, b), atol=1e-5)
-    except (RuntimeError, AttributeError):
-        return False
+    return os.environ.get("PIPELINERL_ONEDNN", "1") != "0" and onednn_works(device, dtype)
 
 
 # A buffer shared by several parameters: (buffer, [(parameter, first row, end row)]).
