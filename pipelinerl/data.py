@@ -329,7 +329,10 @@ def missing_data_hint(path: str) -> str | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dataset", choices=["orz"], help="orz: Open-Reasoner-Zero's training and eval sets")
+    p.add_argument("dataset", choices=["orz", "model"],
+                   help="orz: Open-Reasoner-Zero's training and eval sets; model NAME: a model of the Hugging Face hub "
+                        "into its cache (HF_HOME), once, as a run's launcher does before any engine starts")
+    p.add_argument("name", nargs="?", default=None, help="with `model`: the hub name, e.g. Qwen/Qwen2.5-7B")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"directory to fill (default: {DEFAULT_OUT})")
     p.add_argument("--check", action="store_true",
                    help="verify the files already there against their pins and SHA256SUMS; download nothing")
@@ -356,7 +359,30 @@ Files and pins (ORZ repository {ORZ_REPO} at commit {ORZ_COMMIT}):
 """
 
 
+def fetch_model_main(name: str | None) -> int:
+    """`pipelinerl data model NAME`: the model's config, tokenizer and safetensors weights into the hub's cache;
+    prints the local directory (what a recipe's model.path may also name)."""
+    from pipelinerl.models.hub import ModelFetchError, fetch_model, is_hub_name
+
+    if not name or not is_hub_name(name):
+        print(f"pipelinerl data model: give a Hugging Face model name such as Qwen/Qwen2.5-7B (got {name!r})",
+              file=sys.stderr)
+        return 2
+    try:
+        path = fetch_model(name)
+    except ModelFetchError as e:
+        print(f"pipelinerl data model: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.dataset == "model":
+        return fetch_model_main(args.name)
+    if args.name is not None:
+        print(f"pipelinerl data orz: takes no name (got {args.name!r})", file=sys.stderr)
+        return 2
     out = Path(args.out)
     only = set(args.only or [])
     files = [f for f in ORZ_FILES if not only or f.name in only]

@@ -244,7 +244,7 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from pipelinerl.engines.client import EngineClient
-    from pipelinerl.procs import engine_command, free_port, start_process, stop_process, tail
+    from pipelinerl.procs import engine_command, start_process, stop_process, tail, wait_for_port
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     task, problems = _load_problems(args)
@@ -252,12 +252,13 @@ def main(args: argparse.Namespace) -> int:
     proc = None
     urls = args.engine_url
     if not urls:
-        port = free_port()
-        log = out_dir / "eval-engine.log"
-        proc = start_process(engine_command(args.model, port, extra=["--max-model-len", str(args.max_model_len)]),
-                             log)
-        urls = [f"http://127.0.0.1:{port}"]
+        log, port_file = out_dir / "eval-engine.log", out_dir / "eval-engine.port"
+        port_file.unlink(missing_ok=True)
+        # port 0: the engine binds a free port itself and reports it, so no other process can take it first
+        proc = start_process(engine_command(args.model, 0, extra=["--max-model-len", str(args.max_model_len),
+                                                                  "--port-file", str(port_file)]), log)
         try:
+            urls = [f"http://127.0.0.1:{wait_for_port(port_file, proc, 300)}"]
             EngineClient(urls[0]).wait_healthy(300, process=proc)
         except (RuntimeError, TimeoutError) as e:
             print(f"pipelinerl eval: {e}\n{tail(log)}", file=sys.stderr)

@@ -14,9 +14,11 @@ also start their share of the trainer processes once node 0 says where those mee
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -24,6 +26,7 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -32,6 +35,7 @@ from pipelinerl.auth import API_KEY_ENV, KEY_FILE, api_key_from_env, read_key_fi
 from pipelinerl.config import ConfigError, RunConfig, load_config, resolve_for_machine, save_resolved_config
 from pipelinerl.engines.client import EngineClient
 from pipelinerl.metrics import continue_metrics
+from pipelinerl.models.hub import ModelFetchError
 from pipelinerl.nodes import NodeLost, NodeRendezvous
 from pipelinerl.placement import (
     EngineSlot,
@@ -42,6 +46,7 @@ from pipelinerl.placement import (
     gpu_env,
     is_loopback,
     plan_node,
+    why_no_gpus,
 )
 from pipelinerl.procs import (
     engine_command,
@@ -119,6 +124,24 @@ def prepare_model(cfg: RunConfig) -> Path:
     return path
 
 
+def fetch_hub_model(cfg: RunConfig) -> RunConfig:
+    """`cfg` with a hub name in `model.path` replaced by its local snapshot, fetched once here (node 0's launcher)
+    before any engine or trainer process starts, so that none of them downloads it (`pipelinerl.models.hub`)."""
+    from pipelinerl.models.hub import is_hub_name
+
+    if cfg.model.init == "tiny" or not is_hub_name(cfg.model.path):
+        return cfg
+    local = fetch_model(cfg.model.path)
+    print(f"model {cfg.model.path}: {local}")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(local)))
+
+
+def fetch_model(name: str) -> Path:
+    from pipelinerl.models.hub import fetch_model as fetch
+
+    return fetch(name)
+
+
 def replace_dir(new: Path, path: Path) -> None:
     """Put directory `new` at `path`, removing what was there. Stopped between its two renames, `path` is missing
     (rebuilt by the next run), never half old and half new."""
@@ -130,41 +153,79 @@ def replace_dir(new: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class ProcessSpec:
+    """A child process of the run, before it starts: what `--dry-run` prints and `start_process` starts."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]  # set beside the launcher's own environment
+    log: Path
+    threads: int | None = None
+
+    def start(self) -> subprocess.Popen:
+        return start_process(self.command, self.log, threads=self.threads, env=self.env)
+
+    def describe(self) -> str:
+        env = dict(self.env)
+        if self.threads:
+            env.update(OMP_NUM_THREADS=str(self.threads))
+        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+        shown = shown or "(the launcher's)"
+        return f"{self.name}: {shlex.join(self.command)}\n    env: {shown}\n    log: {self.log}"
+
+
+def engine_specs(cfg: RunConfig, model_path: Path, slots: Sequence[EngineSlot], log_dir: Path,
+                 start_timeout_s: float) -> list[tuple[ProcessSpec, Path, Callable[[int], list[str]]]]:
+    """Each engine's process (with engine.base_port 0 it binds a free port itself and writes it to its port
+    file), the port file, and its command for a given port (a restart keeps the port it had)."""
+    e = cfg.engine
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    out = []
+    for slot in slots:
+        name = f"engine{slot.index}"
+        port_file = log_dir / f"{name}.port"
+        extra = ["--max-running-seqs", str(e.max_running_seqs), "--max-batch-tokens", str(e.max_batch_tokens),
+                 "--max-model-len", str(e.max_model_len), "--threads", str(e.threads),
+                 "--dtype", cfg.model.dtype, "--port-file", str(port_file), "--start-timeout-s", f"{start_timeout_s:g}"]
+        if e.tensor_parallel_size > 1:
+            extra += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
+        env = slot.env(visible)
+        if slot.gpus:
+            env.update(gpu_memory_args(e))
+        if e.kind == "sglang":  # the most one weight-update call to SGLang takes (engines/sglang/front.py)
+            from pipelinerl.engines.sglang import UPDATE_CHUNK_ENV
+
+            env[UPDATE_CHUNK_ENV] = str(cfg.weight_sync.sglang_update_chunk_mb)
+
+        def command(port: int, extra: list[str] = extra) -> list[str]:
+            return engine_command(str(model_path), port, e.host, e.kind, extra)
+
+        out.append((ProcessSpec(name, command(slot.port), env, log_dir / f"{name}.log", e.threads), port_file,
+                    command))
+    return out
+
+
 class Engines:
     """The engine child processes on this node; `check()` raises with the log tail if one died."""
 
     def __init__(self, cfg: RunConfig, model_path: Path, slots: Sequence[EngineSlot], log_dir: Path,
-                 advertise_host: str | None = None):
+                 advertise_host: str | None = None, start_timeout_s: float = 900.0):
         e = cfg.engine
         self.host = advertise_host or e.host
-        self.names = [f"engine{s.index}" for s in slots]
-        self.logs = [log_dir / f"{name}.log" for name in self.names]
-        self.port_files = [log_dir / f"{name}.port" for name in self.names]
+        self.start_timeout_s = start_timeout_s
+        specs = engine_specs(cfg, model_path, slots, log_dir, start_timeout_s)
+        self.names = [spec.name for spec, _, _ in specs]
+        self.logs = [spec.log for spec, _, _ in specs]
+        self.port_files = [port_file for _, port_file, _ in specs]
         self.procs, self.clients = [], []
         self.max_restarts, self.threads = e.max_restarts, e.threads
         self.restarts = [0] * len(slots)
         self._start_args: list[tuple[Callable[[int], list[str]], dict[str, str]]] = []
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        for slot, log, port_file in zip(slots, self.logs, self.port_files):
+        for spec, port_file, command in specs:
             port_file.unlink(missing_ok=True)
-            extra = ["--max-running-seqs", str(e.max_running_seqs), "--max-batch-tokens", str(e.max_batch_tokens),
-                     "--max-model-len", str(e.max_model_len), "--threads", str(e.threads),
-                     "--dtype", cfg.model.dtype, "--port-file", str(port_file)]
-            if e.tensor_parallel_size > 1:
-                extra += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
-            env = slot.env(visible)
-            if slot.gpus:
-                env.update(gpu_memory_args(e))
-            if e.kind == "sglang":  # the most one weight-update call to SGLang takes (engines/sglang/front.py)
-                from pipelinerl.engines.sglang import UPDATE_CHUNK_ENV
-
-                env[UPDATE_CHUNK_ENV] = str(cfg.weight_sync.sglang_update_chunk_mb)
-
-            def command(port: int, extra: list[str] = extra) -> list[str]:
-                return engine_command(str(model_path), port, e.host, e.kind, extra)
-
-            self._start_args.append((command, env))
-            self.procs.append(start_process(command(slot.port), log, threads=e.threads, env=env))
+            self._start_args.append((command, spec.env))
+            self.procs.append(spec.start())
 
     @property
     def pids(self) -> dict[str, int]:
@@ -174,10 +235,13 @@ class Engines:
     def urls(self) -> list[str]:
         return [c.url for c in self.clients]
 
-    def wait_healthy(self, timeout_s: float = 900, check: Callable[[], None] | None = None) -> None:
-        """Learn each engine's port (it binds a free one when engine.base_port is 0), then wait for health.
-        `check` is called while waiting: what it raises (a role started meanwhile that failed) ends the wait."""
-        deadline = time.monotonic() + timeout_s
+    def wait_healthy(self, check: Callable[[], None] | None = None) -> None:
+        """Learn each engine's port (it binds a free one when engine.base_port is 0), then wait for health, up to
+        the engines' start deadline (engine.start_timeout_s). `check` is called while waiting: what it raises (a
+        role started meanwhile that failed) ends the wait."""
+        timeout_s = self.start_timeout_s
+        # a minute past the engine's own deadline (given to vLLM's and SGLang's fronts), whose message says more
+        deadline = time.monotonic() + timeout_s + 60.0
         for name, proc, log, port_file in zip(self.names, self.procs, self.logs, self.port_files):
             try:
                 port = wait_for_port(port_file, proc, deadline - time.monotonic(), check=check)
@@ -186,7 +250,10 @@ class Engines:
                 client.wait_healthy(max(1.0, deadline - time.monotonic()), process=proc, check=check)
             except ChildFailed:
                 raise
-            except (RuntimeError, TimeoutError) as e:
+            except TimeoutError as e:
+                raise RuntimeError(f"{name}: {e} (engine.start_timeout_s {timeout_s:g}; raise it for a model that "
+                                   f"loads slowly)\n--- last lines of {log} ---\n{tail(log)}") from e
+            except RuntimeError as e:
                 raise RuntimeError(f"{name}: {e}\n--- last lines of {log} ---\n{tail(log)}") from e
 
     def check(self) -> None:
@@ -293,24 +360,28 @@ def trainer_env(plan: NodePlan) -> dict[str, str]:
     return gpu_env(plan.trainer_gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def start_roles(cfg: RunConfig, engines: str, run_dir: Path, plan: NodePlan, trainer_port: int = 0
-                ) -> dict[str, subprocess.Popen]:
-    """Start the trainer and the actor. `engines`: their `--engines` argument, the engine URLs or `@FILE` (they
-    load their models and wait for the file, which `run_main_node` writes once every engine answers).
-    `trainer_port`: where the trainer processes of all trainer nodes meet (trainer.num_nodes > 1)."""
+def role_specs(cfg: RunConfig, engines: str, run_dir: Path, plan: NodePlan, trainer_port: int = 0
+               ) -> list[ProcessSpec]:
+    """The trainer and the actor. `engines`: their `--engines` argument, the engine URLs or `@FILE` (they load
+    their models and wait for the file, which `run_main_node` writes once every engine answers). `trainer_port`:
+    where the trainer processes of all trainer nodes meet (trainer.num_nodes > 1)."""
     config = str(run_dir / "config.yaml")
-    reset_stream(cfg.streams, run_dir, "control")  # control messages are per launch
-    # a resumed run redoes the steps after its checkpoint: their old rows go now, before progress reads the file
-    continue_metrics(run_dir, resumed_version(run_dir))
     gpus = plan.trainer_gpus
     no_gpu = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}  # the actor and reward workers never need one
     trainer = trainer_command(cfg, config, engines, len(gpus), 0, plan.node.master_addr, trainer_port)
-    roles = {
-        "trainer": (trainer, cfg.trainer.threads, trainer_env(plan)),
-        "actor": ([sys.executable, "-m", "pipelinerl.actor", config, "--engines", engines], 1, no_gpu),
-    }
-    return {name: start_process(cmd, run_dir / "logs" / f"{name}.log", threads=threads, env=env)
-            for name, (cmd, threads, env) in roles.items()}
+    logs = run_dir / "logs"
+    return [ProcessSpec("trainer", trainer, trainer_env(plan), logs / "trainer.log", cfg.trainer.threads),
+            ProcessSpec("actor", [sys.executable, "-m", "pipelinerl.actor", config, "--engines", engines], no_gpu,
+                        logs / "actor.log", 1)]
+
+
+def start_roles(cfg: RunConfig, engines: str, run_dir: Path, plan: NodePlan, trainer_port: int = 0
+                ) -> dict[str, subprocess.Popen]:
+    """Start the trainer and the actor (`role_specs`)."""
+    reset_stream(cfg.streams, run_dir, "control")  # control messages are per launch
+    # a resumed run redoes the steps after its checkpoint: their old rows go now, before progress reads the file
+    continue_metrics(run_dir, resumed_version(run_dir))
+    return {spec.name: spec.start() for spec in role_specs(cfg, engines, run_dir, plan, trainer_port)}
 
 
 def check_roles(children: dict[str, subprocess.Popen], run_dir: Path) -> None:
@@ -453,23 +524,18 @@ def _interrupt(signum: int, frame: object) -> None:
     raise Interrupted(signum)
 
 
-def main(recipe: str, overrides: list[str]) -> int:
+def main(recipe: str, overrides: list[str], dry_run: bool = False) -> int:
+    """`pipelinerl run`: exit 0 when the run finished, 1 when it failed, 2 when it could not start here (a config
+    error, or what `preflight` found), 128 + N when stopped by signal N. With `dry_run`: what this node would start,
+    and whether it could, starting nothing (exit 0 or 2)."""
     try:
         cfg = load_config(recipe, overrides)
         node = NodeEnv.from_environ()
         gpus = detect_gpus()
-        problems = missing_data(cfg) + missing_resources(cfg, recipe, node, gpus)
-        if cfg.task.name not in ("arithmetic", "math"):
-            # a task from task.name/task.args is built here once, so a wrong path or argument stops the run now
-            # with the key to change, not later in the actor's log
-            from pipelinerl.tasks import check_task
-
-            task = check_task(cfg.task)
-            budget = getattr(task, "total_time_s", None)  # the code checker's own time for one answer
-            if budget is not None and cfg.reward.timeout_s <= budget:
-                raise ConfigError(f"reward.timeout_s: {cfg.reward.timeout_s:g} s would cut off the checks of an "
-                                  f"answer, which may take task.args.total_time_s {budget:g} s; set it above that")
-        if problems:
+        problems, warnings = preflight(cfg, recipe, node, gpus)
+        for warning in warnings:
+            print(f"pipelinerl: warning: {warning}", file=sys.stderr)
+        if problems and not dry_run:  # (a dry run lists them after what would start)
             print(f"pipelinerl: {recipe} cannot start here:\n" + "\n".join(f"- {p}" for p in problems),
                   file=sys.stderr)
             return 2
@@ -480,8 +546,13 @@ def main(recipe: str, overrides: list[str]) -> int:
             print(f"pipelinerl: {note}")
         plan = plan_node(cfg, node, gpus)
     except ConfigError as e:
+        if dry_run and problems:
+            print(f"pipelinerl: {recipe} cannot start here:\n" + "\n".join(f"- {p}" for p in problems),
+                  file=sys.stderr)
         print(f"pipelinerl: config error: {e}", file=sys.stderr)
         return 2
+    if dry_run:
+        return print_dry_run(cfg, recipe, plan, gpus, problems)
     # The node's place in the run is read; the children must not take it for their own (a trainer process that
     # saw WORLD_SIZE=2 would wait for a second trainer rank that never comes).
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -500,6 +571,146 @@ def main(recipe: str, overrides: list[str]) -> int:
         print(f"interrupted by {signal.Signals(signum).name}; all processes of the run stopped. The newest "
               f"checkpoint is at step {version}: rerun the same command to resume from it.", file=sys.stderr)
         return 128 + signum
+
+
+def preflight(cfg: RunConfig, recipe: str, node: NodeEnv, gpus: int) -> tuple[list[str], list[str]]:
+    """(problems, warnings): what stops this recipe on this node before anything starts, each naming what to do,
+    and what is worth saying. A 7B run should not load its model and start 8 engines only to fail on a path, a
+    missing package or a full disk."""
+    problems = missing_data(cfg) + missing_resources(cfg, recipe, node, gpus) + missing_engine(cfg, gpus)
+    warnings: list[str] = []
+    if cfg.task.name not in ("arithmetic", "math"):
+        # a task from task.name/task.args is built here once, so a wrong path or argument stops the run now
+        # with the key to change, not later in the actor's log
+        from pipelinerl.tasks import check_task
+
+        task = check_task(cfg.task)
+        budget = getattr(task, "total_time_s", None)  # the code checker's own time for one answer
+        if budget is not None and cfg.reward.timeout_s <= budget:
+            raise ConfigError(f"reward.timeout_s: {cfg.reward.timeout_s:g} s would cut off the checks of an "
+                              f"answer, which may take task.args.total_time_s {budget:g} s; set it above that")
+    if node.rank == 0:
+        problem, warning = run_dir_disk(cfg)
+        problems += [problem] if problem else []
+        warnings += [warning] if warning else []
+    return problems, warnings
+
+
+def missing_engine(cfg: RunConfig, gpus: int) -> list[str]:
+    """The engine package the recipe's engine.kind needs, when it is missing or of the wrong build for this node."""
+    from pipelinerl.gpu_setup import engine_problem
+
+    problem = engine_problem(cfg.engine.kind, gpus > 0)
+    return [f"engine.kind {cfg.engine.kind}: {problem}"] if problem else []
+
+
+def run_dir_disk(cfg: RunConfig) -> tuple[str | None, str | None]:
+    """(problem, warning) about the run directory's filesystem and the checkpoints it must hold (`sizing`). Not
+    worked out for a tiny model (megabytes) nor for a model whose shape is not known before it is fetched (checked
+    again once it is)."""
+    if cfg.model.init == "tiny":  # (checkpoints are also written at the end and when stopped: always checked)
+        return None, None
+    from pipelinerl import plan as planning
+    from pipelinerl.sizing import checkpoint_size, disk_problem
+
+    try:
+        shape = planning.model_shape(cfg)
+        sharding = planning.detect_sharding(cfg)
+    except ConfigError:
+        return None, None
+    bf16 = planning._precision(cfg, cfg.resources.gpus_per_node > 0) == "bf16"
+    size = checkpoint_size(cfg, shape.num_params, sharding.deepspeed, bf16)
+    where = Path(cfg.run_dir).absolute()
+    while not where.exists():
+        where = where.parent
+    return disk_problem(cfg, size, shutil.disk_usage(where).free, str(where))
+
+
+def engine_start_timeout(cfg: RunConfig) -> float:
+    """engine.start_timeout_s, or (unset) sized from the model's weights (`sizing.engine_start_timeout_s`)."""
+    from pipelinerl import plan as planning
+    from pipelinerl.sizing import MIN_ENGINE_START_S, engine_start_timeout_s
+
+    if cfg.engine.start_timeout_s is not None:
+        return float(cfg.engine.start_timeout_s)
+    if cfg.model.init == "tiny":
+        return MIN_ENGINE_START_S
+    try:
+        return engine_start_timeout_s(cfg, planning.model_shape(cfg).num_params)
+    except ConfigError:
+        return MIN_ENGINE_START_S
+
+
+def print_dry_run(cfg: RunConfig, recipe: str, plan: NodePlan, gpus: int, problems: list[str]) -> int:
+    """`pipelinerl run --dry-run`: every process this node would start (command, environment, GPUs, log), the
+    model and where it comes from, the engine package, and whether the run could start; nothing is started."""
+    run_dir = Path(cfg.run_dir)
+    node = plan.node
+    print(f"pipelinerl run {recipe} --dry-run: node {node.rank} of {node.world_size}, {gpus} GPU(s) seen by torch; "
+          "nothing is started")
+    print(plan.describe())
+    model_path, model_note = dry_run_model(cfg)
+    print(f"model: {model_note}")
+    print(f"engine: {cfg.engine.kind}, {engine_import_check(cfg.engine.kind)}; each must answer within "
+          f"{engine_start_timeout(cfg):g} s (engine.start_timeout_s)")
+    log_dir = run_dir / "logs" if node.rank == 0 else run_dir / "logs" / f"node{node.rank}"
+    specs = [spec for spec, _, _ in engine_specs(cfg, model_path, plan.engines, log_dir, engine_start_timeout(cfg))]
+    engines = f"@{run_dir / 'logs' / 'engine_urls'}"
+    if node.rank == 0:
+        port_note = " (the port where the trainer nodes meet: picked by node 0 at launch)" if plan.trainer_nodes > 1 \
+            else ""
+        specs += role_specs(cfg, engines, run_dir, plan)
+        if port_note:
+            print(f"trainer: {plan.trainer_processes} of trainer.num_processes {cfg.trainer.num_processes} here, "
+                  f"over trainer.num_nodes {plan.trainer_nodes} nodes{port_note}")
+    elif plan.runs_trainer:
+        cmd = trainer_command(cfg, str(run_dir / "config.yaml"), "<every engine's URL, from node 0>",
+                              len(plan.trainer_gpus), node.rank, node.master_addr, 0)
+        specs.append(ProcessSpec(f"trainer {plan.trainer_ranks}", cmd, trainer_env(plan), log_dir / "trainer.log",
+                                 cfg.trainer.threads))
+    print("processes:")
+    for spec in specs:
+        print("  " + spec.describe().replace("\n", "\n  "))
+    if problems:
+        print(f"would not start: {len(problems)} problem(s)\n" + "\n".join(f"- {p}" for p in problems))
+        return 2
+    print("ready: `pipelinerl run` with the same arguments starts these")
+    return 0
+
+
+def dry_run_model(cfg: RunConfig) -> tuple[Path, str]:
+    """(the path the engines would be given, where it comes from) without fetching or building anything."""
+    path = cfg.model.path
+    if cfg.model.init == "tiny":
+        return Path(path), f"{path}: a tiny model the launcher builds (and warms up) there, or reuses if cached"
+    from pipelinerl.models.hub import cache_dir, cached_model, is_hub_name
+
+    if not is_hub_name(path):
+        return Path(path), f"{path} (a local directory{'' if Path(path).is_dir() else ', which does not exist'})"
+    cached = cached_model(path)
+    if cached is not None:
+        return cached, f"{path} from the Hugging Face cache, {cached} (every process of the run reads it there)"
+    snapshot = cache_dir() / f"models--{path.replace('/', '--')}" / "snapshots" / "REVISION"
+    return snapshot, (f"{path} from the Hugging Face hub, not cached yet: node 0's launcher fetches it once into "
+                      f"{cache_dir()} before any engine starts, and every process reads it there (REVISION: the "
+                      "commit fetched)")
+
+
+def engine_import_check(kind: str) -> str:
+    """Whether the engine's package imports in this venv (in a child: vLLM's import takes seconds and sets up
+    state), in words."""
+    if kind == "embedded":
+        return "built in"
+    module = {"vllm": "vllm", "sglang": "sglang"}[kind]
+    code = f"import importlib.metadata as m, {module}; print(getattr({module}, '__version__', '?'))"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return f"`import {module}` did not finish in 300 s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return f"`import {module}` fails: {last}"
+    return f"{module} {done.stdout.strip()} imports"
 
 
 def missing_data(cfg: RunConfig) -> list[str]:
@@ -534,9 +745,12 @@ def missing_resources(cfg: RunConfig, recipe: str, node: NodeEnv, gpus: int) -> 
             + (f" of at least {r.gpu_memory_gib:g} GiB" if r.gpu_memory_gib else ""))
     problems = []
     if gpus < r.gpus_per_node:
-        problems.append(f"resources: the recipe needs {need}; this node has {gpus} GPU(s). "
-                        f"`pipelinerl plan {recipe}` shows where every process goes and the memory each GPU needs "
-                        "(it runs anywhere); a smaller cluster can be planned with its --nodes/--gpus-per-node flags")
+        why = why_no_gpus(gpus)
+        problems.append(f"resources: the recipe needs {need}; this node has {gpus} GPU(s)"
+                        + (f": {why}" if why else
+                           f". `pipelinerl plan {recipe}` shows where every process goes and the memory each GPU "
+                           "needs (it runs anywhere); a smaller cluster can be planned with its --nodes/"
+                           "--gpus-per-node flags"))
     if node.world_size < r.nodes:
         problems.append(f"resources.nodes: the recipe runs on {r.nodes} nodes, this launch has WORLD_SIZE="
                         f"{node.world_size}; start it on every node with WORLD_SIZE, RANK, MASTER_ADDR and "
@@ -567,6 +781,16 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
             report(run_dir)
             ok = True
             return 0
+        model_name = cfg.model.path
+        try:
+            cfg = fetch_hub_model(cfg)
+        except ModelFetchError as e:
+            print(f"pipelinerl: {e}", file=sys.stderr)
+            return 2
+        problem, _ = run_dir_disk(cfg)  # again, now that the model's config is at hand
+        if problem:
+            print(f"pipelinerl: {cfg.run_dir} cannot hold this run's checkpoints:\n- {problem}", file=sys.stderr)
+            return 2
         save_resolved_config(cfg, run_dir)
         # owner only: samples, evaluations and checkpoints hold the answers, and sandboxed programs (the code
         # reward, tools) run as other users that must not read them
@@ -579,12 +803,13 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
         except ConfigError as e:
             print(f"pipelinerl: config error: {e}", file=sys.stderr)
             return 2
+        start_timeout_s = engine_start_timeout(cfg)
         if rendezvous:
-            rendezvous.model_ready(str(model_path))
+            rendezvous.model_ready(str(model_path), model_name, start_timeout_s)
         print(plan.describe())
         urls_file = run_dir / "logs" / "engine_urls"
         urls_file.unlink(missing_ok=True)  # a previous launch's engines had other ports
-        engines = Engines(cfg, model_path, plan.engines, run_dir / "logs")
+        engines = Engines(cfg, model_path, plan.engines, run_dir / "logs", start_timeout_s=start_timeout_s)
         children: dict[str, subprocess.Popen] = {}
         try:
             print(f"starting {len(plan.engines)} {cfg.engine.kind} engine(s); logs in {run_dir / 'logs'}")
@@ -599,7 +824,7 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
             engines.wait_healthy(check=lambda: check_roles(children, run_dir))
             urls, check, trainer_port = engines.urls, engines.check, 0
             if rendezvous:
-                urls = rendezvous.gather_engines(urls, engines.check)
+                urls = rendezvous.gather_engines(urls, engines.check, start_timeout_s)
                 print(f"engines of all {node.world_size} nodes: {', '.join(urls)}")
                 if cfg.trainer.num_nodes > 1:  # the other trainer nodes start their processes now
                     trainer_port = free_port()
@@ -656,12 +881,22 @@ def run_engine_node(cfg: RunConfig, plan: NodePlan) -> int:
     trainer: subprocess.Popen | None = None
     trainer_log = log_dir / "trainer.log"
     try:
-        model_path = rendezvous.wait_model(stop_when_over)
+        ready = rendezvous.wait_model(stop_when_over)
+        model_path = Path(ready.path)
+        if not model_path.exists() and ready.name:
+            # node 0 fetched a hub model into a cache this node does not share: fetch it here, once for the node
+            try:
+                model_path = fetch_model(ready.name)
+            except ModelFetchError as e:
+                rendezvous.fail(f"node {node.rank}: {e}")
+                raise RuntimeError(str(e)) from None
         # node 0 made the run's key before saying the model is ready
         os.environ[API_KEY_ENV] = node_api_key(run_dir)
         host = advertised_host(cfg.engine.host, node.master_addr, node.master_port)
         print(plan.describe())
-        engines = Engines(cfg, Path(model_path), plan.engines, log_dir, advertise_host=host)
+        rendezvous.engines_starting()
+        engines = Engines(cfg, model_path, plan.engines, log_dir, advertise_host=host,
+                          start_timeout_s=ready.start_timeout_s)
 
         def watch() -> None:
             """Report a dead engine or trainer process of this node to node 0 (which stops the run naming it),

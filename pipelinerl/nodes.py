@@ -3,8 +3,13 @@ MASTER_ADDR:MASTER_PORT (torch.distributed's TCPStore, so nothing beyond torch i
 
     node 0                                   node r > 0
                                          <-  beats alive/r every second (a thread), from start to end
-    prepares the model, sets model_ready ->  waits for model_ready, starts its engines
-    waits for engines/r                  <-  publishes its engines' URLs once they are healthy
+    prepares the model (a hub model:     ->  waits for model_ready (no deadline: node 0's store answering and the
+      fetched once), sets model_ready          run's `finished` key tell it node 0 is there); fetches the model
+                                               itself only if the path is not on a filesystem it shares
+    waits for starting/r (no deadline:   <-  sets starting/r, starts its engines
+      its heartbeat says it is alive)
+    waits for engines/r, up to the       <-  publishes its engines' URLs once they are healthy (its own deadline,
+      engines' start deadline + a margin       engine.start_timeout_s, stops it first, naming the engine)
     with trainer.num_nodes > 1: sets     ->  trainer nodes (r < trainer.num_nodes) start their share of the
       trainer (port, every engine URL)         trainer processes, which meet node 0's at MASTER_ADDR:port
     runs trainer + actor on all engines      watches its engines, its trainer processes and the store
@@ -19,12 +24,23 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 from pipelinerl.placement import NodeEnv
 
 HEARTBEAT_S = 1.0  # how often nodes r > 0 say they are alive
 LOST_AFTER_S = 30.0  # node 0 stops the run when a node has not said so for this long
+ENGINES_MARGIN_S = 120.0  # node 0 waits this much past a node's engine start deadline before giving up on it
+
+
+@dataclass(frozen=True)
+class ModelReady:
+    """What node 0 tells the other nodes once the model is prepared."""
+
+    path: str  # the local directory every process loads (on node 0; the same path where the nodes share it)
+    name: str  # what model.path said (a hub name, fetched again by a node that does not see `path`)
+    start_timeout_s: float  # the engines' start deadline, the same on every node
 
 
 class NodeLost(RuntimeError):
@@ -70,31 +86,53 @@ class NodeRendezvous:
         while (value := self._get(key)) is None:
             check()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"node {self.node.rank}: no {what} after {self.timeout_s:g}s")
+                raise TimeoutError(f"node {self.node.rank}: no {what} after {timeout_s:g}s")
             time.sleep(poll_s)
         return value
 
     # --- the protocol --------------------------------------------------------------------------------------------
 
-    def model_ready(self, path: str) -> None:
-        self._set("model_ready", path)
+    def model_ready(self, path: str, name: str = "", start_timeout_s: float = 900.0) -> None:
+        self._set("model_ready", {"path": path, "name": name, "start_timeout_s": start_timeout_s})
 
-    def wait_model(self, check: Callable[[], None] = lambda: None) -> str:
-        return str(self._wait_for("model_ready", "model from node 0", check, self.timeout_s))
+    def wait_model(self, check: Callable[[], None] = lambda: None) -> ModelReady:
+        """Nodes r > 0: the model node 0 prepared. No deadline: fetching a 65 GB model takes as long as it takes,
+        and a node 0 that is gone fails `_get` (its store stops answering)."""
+        value = self._wait_for("model_ready", "model from node 0", check, None)
+        if isinstance(value, str):  # (a launcher of the previous release)
+            return ModelReady(value, "", 900.0)
+        return ModelReady(str(value["path"]), str(value.get("name") or ""), float(value["start_timeout_s"]))
+
+    def engines_starting(self) -> None:
+        """Nodes r > 0: this node starts its engines now; node 0's deadline for them runs from here."""
+        self._set(f"starting/{self.node.rank}", time.time())
 
     def publish_engines(self, urls: list[str]) -> None:
         self._set(f"engines/{self.node.rank}", urls)
 
-    def gather_engines(self, local_urls: list[str], check: Callable[[], None]) -> list[str]:
-        """Node 0: every node's engine URLs in node order, its own first. `check` raises if something died."""
+    def gather_engines(self, local_urls: list[str], check: Callable[[], None],
+                       start_timeout_s: float = 900.0) -> list[str]:
+        """Node 0: every node's engine URLs in node order, its own first. `check` raises if something died. A node
+        is waited for without a deadline until it starts its engines (while its heartbeat says it is alive), then
+        up to `start_timeout_s` + ENGINES_MARGIN_S: its own launcher gives up on an engine at `start_timeout_s`
+        and says why, which this margin leaves it time to report."""
         def check_all() -> None:
             check()
             self.raise_if_failed()
             self.check_nodes()
 
         urls = list(local_urls)
+        waiting_since = time.monotonic()
         for rank in range(1, self.node.world_size):
-            urls += list(self._wait_for(f"engines/{rank}", f"engines from node {rank}", check_all, self.timeout_s))
+            def joined(rank: int = rank) -> None:
+                check_all()
+                if self.store.add(f"alive/{rank}", 0) == 0 and time.monotonic() - waiting_since > self.timeout_s:
+                    raise TimeoutError(f"node 0: node {rank} never joined the run ({self.timeout_s:g} s without a "
+                                       "heartbeat): is its launcher running, with the same MASTER_ADDR/MASTER_PORT?")
+
+            self._wait_for(f"starting/{rank}", f"engine start from node {rank}", joined, None)
+            urls += list(self._wait_for(f"engines/{rank}", f"engines from node {rank}", check_all,
+                                        start_timeout_s + ENGINES_MARGIN_S))
         return urls
 
     def start_trainer(self, port: int, engine_urls: list[str]) -> None:

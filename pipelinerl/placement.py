@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import socket
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -209,12 +212,17 @@ def advertised_host(bind_host: str, master_addr: str, master_port: int) -> str:
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
 
 
+def _driver_present() -> bool:
+    return any(os.path.exists(f) for f in GPU_DEVICE_FILES) or shutil.which("nvidia-smi") is not None
+
+
 def detect_gpus() -> int:
     """GPUs this process can use (honours CUDA_VISIBLE_DEVICES); 0 without CUDA.
 
-    Where no GPU driver is there to ask, 0 without importing torch: the launcher asks before it starts any role,
-    and torch's import (about 1 s on a small CPU) would delay every role's start by as much."""
-    if not any(os.path.exists(f) for f in GPU_DEVICE_FILES):
+    Where no GPU driver is there to ask (no device file, no nvidia-smi), 0 without importing torch: the launcher
+    asks before it starts any role, and torch's import (about 1 s on a small CPU) would delay every role's start
+    by as much."""
+    if not _driver_present():
         return 0
     try:
         import torch
@@ -222,3 +230,37 @@ def detect_gpus() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # a broken CUDA install: run on CPU rather than not at all
         return 0
+
+
+def listed_gpus(timeout_s: float = 15.0) -> int:
+    """GPUs the driver lists (`nvidia-smi -L`), whatever torch makes of them; 0 without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=timeout_s).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def why_no_gpus(found: int) -> str:
+    """Why torch finds `found` GPUs where the driver lists more, in words (empty when they agree): a CPU build of
+    torch (a venv made on a machine without GPUs), or CUDA_VISIBLE_DEVICES."""
+    listed = listed_gpus()
+    if listed <= found:
+        return ""
+    try:
+        import importlib.metadata
+
+        import torch
+
+        version, cuda = importlib.metadata.version("torch"), torch.version.cuda
+    except Exception as e:  # noqa: BLE001 (a broken install is itself the answer)
+        return f"nvidia-smi lists {listed} GPUs, but torch does not load here ({e})"
+    if cuda is None:
+        return (f"nvidia-smi lists {listed} GPUs, but torch {version} in {sys.prefix} is a CPU build (a venv made on a "
+                "machine without GPUs); rebuild it here: make clean && make install")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return f"nvidia-smi lists {listed} GPUs; CUDA_VISIBLE_DEVICES={visible!r} leaves torch {found}"
+    return f"nvidia-smi lists {listed} GPUs, but torch {version} (CUDA {cuda}) can use {found}; see `nvidia-smi`"

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="vllm, sglang: workers (GPUs) per engine, each a rank of the weight-update group")
     p.add_argument("--initial-version", type=int, default=0, help="weight version of the loaded weights")
+    p.add_argument("--start-timeout-s", type=float, default=900.0,
+                   help="vllm, sglang: seconds the engine behind the front may take to load the model and answer its "
+                        "health check (a launcher passes engine.start_timeout_s)")
     p.add_argument("--log-level", default="warning")
 
 

@@ -49,6 +49,22 @@ log = logging.getLogger("pipelinerl.train")
 AUDIT_FILE = "trained_groups.jsonl"
 
 
+NON_FINITE_EXIT = 3  # the trainer's exit code after trainer.max_skipped_steps non-finite steps in a row
+
+
+class NonFiniteSteps(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm: each was skipped, weights untouched."""
+
+    def __init__(self, count: int, version: int):
+        super().__init__(
+            f"{count} steps in a row had a non-finite (NaN/inf) loss or gradient norm and were skipped "
+            f"(trainer.max_skipped_steps {count}); the weights are those of version {version}, which the checkpoint "
+            "just saved holds. Look at the steps' `loss`/`grad_norm` in metrics.jsonl and the rewards of their "
+            "samples; then lower trainer.lr, keep trainer.grad_clip on, or raise trainer.max_skipped_steps, and rerun "
+            "the same command to resume")
+        self.count, self.version = count, version
+
+
 class StopRequested(Exception):
     """A stop signal arrived while the trainer waited for samples."""
 
@@ -312,6 +328,8 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
     started = time.monotonic() - position.get("elapsed_s", 0.0)
     evaluator = HeldOutEval(cfg, engine_urls, enabled=main and cfg.trainer.eval_every > 0)
     stopped = False
+    failure: NonFiniteSteps | None = None
+    skipped_in_a_row = 0  # steps whose every update was skipped (a non-finite loss or gradient norm), in a row
     engines_rejoined = 0  # engines that died, were restarted and rejoined the weight-update group
     step_position = _position(feed, stale_dropped, started)  # where the stream stands after the last whole step
     try:
@@ -378,6 +396,10 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
             if interrupted:
                 stopped = True
                 break
+            # alike on every rank: a step is skipped when the global gradient norm (reduced over them) is not finite
+            skipped_in_a_row = skipped_in_a_row + 1 if stats.get("skipped") else 0
+            if skipped_in_a_row >= cfg.trainer.max_skipped_steps:
+                raise NonFiniteSteps(skipped_in_a_row, trainer.version)
             if evaluator.enabled and (trainer.version % cfg.trainer.eval_every == 0
                                       or trainer.version == cfg.trainer.max_steps):
                 eval_row = evaluator.run(trainer.version, time.monotonic() - started, feed.consumed)
@@ -393,12 +415,19 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
                 break
     except StopRequested:
         stopped = True
+    except NonFiniteSteps as e:
+        failure = e
     finally:
         if metrics:
             metrics.close()
             audit.close()
     # after the last whole step: samples a stopped step had taken while waiting for more are taken again on resume
     checkpoints.save(step_position)
+    if failure is not None:
+        log.error("%s", failure)
+        evaluator.close()
+        trainer.close()
+        return NON_FINITE_EXIT
     if stopped:
         signum = stop.signum or signal.SIGTERM
         log.warning("stopped by %s at version %d of %d: checkpoint saved; rerun the same command to resume",

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from pipelinerl.config import ConfigError, RunConfig, load_config
-from pipelinerl.nodes import NodeLost, NodeRendezvous
+from pipelinerl.nodes import ModelReady, NodeLost, NodeRendezvous
 from pipelinerl.placement import NodeEnv, advertised_host, gpu_env, is_loopback, plan_node
 from pipelinerl.procs import free_port
 
@@ -144,12 +144,34 @@ def nodes(world: int, timeout_s: float = 20.0) -> list[NodeRendezvous]:
 
 def test_rendezvous_hands_the_model_and_the_engine_urls_to_node_zero():
     node0, node1, node2 = nodes(3)
-    node0.model_ready("/shared/model")
-    assert node1.wait_model() == "/shared/model"
+    node0.model_ready("/shared/model", "Org/Model", 1234.0)
+    assert node1.wait_model() == ModelReady("/shared/model", "Org/Model", 1234.0)
+    node2.engines_starting()
     node2.publish_engines(["http://c:1"])
+    node1.engines_starting()
     threading.Timer(0.3, node1.publish_engines, [["http://b:1", "http://b:2"]]).start()
     urls = node0.gather_engines(["http://a:1"], check=lambda: None)
     assert urls == ["http://a:1", "http://b:1", "http://b:2", "http://c:1"]  # node order, whenever they arrive
+
+
+def test_a_node_still_preparing_is_waited_for_past_the_join_deadline_and_its_engines_are_not():
+    """Fetching a 65 GB model on a node can outlast any fixed deadline: while the node beats, node 0 waits for it
+    to start its engines; from then on, the engines' start deadline (plus a margin) applies."""
+    import pipelinerl.nodes as nodes_module
+
+    node0, node1 = nodes(2, timeout_s=0.5)
+    node1.start_heartbeat(interval_s=0.05)
+    threading.Timer(1.5, node1.engines_starting).start()  # three times the join deadline after joining
+    started = time.monotonic()
+    margin = nodes_module.ENGINES_MARGIN_S
+    nodes_module.ENGINES_MARGIN_S = 0.0
+    try:
+        with pytest.raises(TimeoutError, match="no engines from node 1 after 1s"):
+            node0.gather_engines([], check=lambda: None, start_timeout_s=1.0)
+    finally:
+        nodes_module.ENGINES_MARGIN_S = margin
+        node1.stop_heartbeat()
+    assert 2.2 < time.monotonic() - started < 6  # 1.5 s until its engines started, then their 1 s deadline
 
 
 def test_a_failing_node_stops_node_zero_with_its_message():
@@ -227,7 +249,7 @@ def test_the_root_cause_of_a_failure_is_the_other_node_that_reported_or_went_sil
 
 def test_waiting_for_an_absent_node_times_out_naming_it():
     node0, _ = nodes(2, timeout_s=1.0)
-    with pytest.raises(TimeoutError, match="engines from node 1"):
+    with pytest.raises(TimeoutError, match="node 1 never joined the run"):
         node0.gather_engines([], check=lambda: None)
 
 

@@ -88,17 +88,32 @@ def _serve_args(**kw) -> Namespace:
 def test_command_line_carries_the_tensor_parallel_size(monkeypatch):
     monkeypatch.delenv(launcher.EXTRA_ARGS_ENV, raising=False)
     monkeypatch.setattr(launcher, "has_gpu", lambda: False)
-    one = launcher.vllm_command(_serve_args(), 8000)
-    two = launcher.vllm_command(_serve_args(tensor_parallel_size=2), 8000)
+    one = launcher.vllm_command(_serve_args(), "/run/v.sock")
+    two = launcher.vllm_command(_serve_args(tensor_parallel_size=2), "/run/v.sock")
     assert one[one.index("--tensor-parallel-size") + 1] == "1"
     assert two[two.index("--tensor-parallel-size") + 1] == "2"
     # on CPU one worker lives in the engine-core process; several need a process each
     assert one[one.index("--distributed-executor-backend") + 1] == "uni"
     assert two[two.index("--distributed-executor-backend") + 1] == "mp"
     monkeypatch.setattr(launcher, "has_gpu", lambda: True)
-    gpu = launcher.vllm_command(_serve_args(tensor_parallel_size=4), 8000)
+    gpu = launcher.vllm_command(_serve_args(tensor_parallel_size=4), "/run/v.sock")
     assert gpu[gpu.index("--tensor-parallel-size") + 1] == "4"
     assert "--distributed-executor-backend" not in gpu and "--enforce-eager" not in gpu
+
+
+def test_vllm_listens_on_a_socket_only_its_user_can_reach():
+    """No TCP port behind the front: none to pick before vLLM binds it (engines starting together raced for them),
+    and vLLM's own routes (no key; /collective_rpc among them) reachable by no other user of the machine."""
+    for cmd in (launcher.vllm_command(_serve_args(), "/run/v.sock"),
+                launcher.vllm_command(_serve_args(tensor_parallel_size=2), "/run/v.sock")):
+        assert cmd[cmd.index("--uds") + 1] == "/run/v.sock" and "--port" not in cmd and "--host" not in cmd
+    path = launcher.private_socket()
+    try:
+        folder = os.path.dirname(path)
+        assert os.stat(folder).st_mode & 0o777 == 0o700 and len(path.encode()) < 108
+    finally:
+        launcher.remove_socket(path)
+    assert not os.path.exists(folder)
 
 
 def test_kv_cache_per_worker_shrinks_with_tensor_parallelism():

@@ -289,19 +289,24 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def wait_server_healthy(name: str, url: str, proc, timeout_s: float, poll_s: float = 0.5) -> None:
-    """Poll `url/health` of an engine server we started; exit with a clear message if it dies or stays down."""
+def wait_server_healthy(name: str, url: str, proc, timeout_s: float, poll_s: float = 0.5,
+                        uds: str | None = None) -> None:
+    """Poll `url/health` of an engine server we started (over the unix socket `uds` when given); exit with a clear
+    message if it dies or stays down."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the {name} server exited with code {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the {name} server at {url} was not healthy after {timeout_s:g}s")
-        time.sleep(poll_s)
+    where = f"unix:{uds}" if uds else url
+    with httpx.Client(transport=httpx.HTTPTransport(uds=uds) if uds else None, timeout=2.0) as client:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the {name} server exited with code {proc.returncode} before it was healthy")
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the {name} server at {where} was not healthy after {timeout_s:g}s "
+                                 "(--start-timeout-s, config engine.start_timeout_s)")
+            time.sleep(poll_s)

@@ -149,7 +149,8 @@ class Critic:
                                                     self.critic_cfg.value_clip)
                     loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / tokens.clamp(min=1)
                     # DDP / ZeRO / FSDP average gradients over ranks: scale back up to the sum
-                    update.backward(acc, self.model, loss * acc.num_processes * mb.weight, last)
+                    update.backward(acc, self.model, update.poisoned_unless_finite(loss) * acc.num_processes
+                                    * mb.weight, last)
                 if mb.weight:
                     sums += torch.stack([loss.detach(), (clipped & mask).sum()]).to(sums)
             if acc.num_processes > 1:

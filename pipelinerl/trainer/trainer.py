@@ -356,7 +356,7 @@ class Trainer:
                     loss, mb_sums, mb_w_max = self._micro_batch_loss(mb, step, part, kl_coef)
                     # DDP / ZeRO / FSDP average gradients over ranks; each rank's loss already has the whole
                     # minibatch's denominator, so scale back up to get the sum.
-                    self._backward(loss * acc.num_processes * mb.weight, last)
+                    self._backward(update.poisoned_unless_finite(loss) * acc.num_processes * mb.weight, last)
                 if mb.weight:
                     part_sums += mb_sums
                     w_max = torch.maximum(w_max, mb_w_max)
@@ -534,8 +534,8 @@ class Trainer:
         pre-clip gradient norm). Nothing changes when it is not applied."""
         applied, grad_norm = update.apply_update(self.accelerator, self.model, self.optimizer, self.cfg.grad_clip,
                                                  loss_finite)
-        if self.is_deepspeed and applied and not loss_finite:
-            log.error("DeepSpeed applied a step whose loss was not finite")
+        if applied and not loss_finite:  # (poisoned_unless_finite makes this impossible: say so loudly if not)
+            log.error("an update whose loss was not finite was applied")
         return applied, grad_norm
 
     def _maybe_reset_reference(self, kl: float) -> bool:

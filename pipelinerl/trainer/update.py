@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import Tensor, nn
@@ -25,6 +26,19 @@ def no_grad_sync_unless(accelerator: Accelerator, model: nn.Module, last: bool) 
     return accelerator.no_sync(model)
 
 
+def poisoned_unless_finite(loss: Tensor) -> Tensor:
+    """`loss` itself where it is finite; where it is not, a loss whose gradients are NaN wherever it has any.
+
+    Why: a step is skipped when its global gradient norm is not finite (`apply_update`, and DeepSpeed's own check
+    inside `step()`), and that norm is taken after the gradients are reduced over the trainer's ranks, so every rank
+    sees the same verdict. A loss that is NaN or inf on one rank while its gradients stay finite (an inf from a term
+    that does not depend on the weights) would pass that check and be applied; poisoning its gradients turns it into
+    the case every rank and every sharding already skips alike. No host synchronisation: the check stays on the
+    device."""
+    poison = torch.where(torch.isfinite(loss.detach()), 0.0, float("nan")).to(loss.dtype)
+    return loss + poison * loss
+
+
 def backward(accelerator: Accelerator, model: nn.Module, loss: Tensor, last: bool) -> None:
     """Accumulate `loss`'s gradients; `last` marks the micro-batch after which the update comes."""
     if is_deepspeed(accelerator):  # the engine accumulates until we declare the boundary
@@ -39,7 +53,10 @@ def apply_update(accelerator: Accelerator, model: nn.Module, optimizer, grad_cli
     """Clip, check, step the optimizer: (applied, pre-clip gradient norm). Nothing changes when it is not applied.
 
     `grad_clip` <= 0 clips nothing. Under DeepSpeed the engine clips (its config's `gradient_clipping`, which the
-    trainer sets from `trainer.grad_clip`) and skips a step whose gradients overflowed."""
+    trainer sets from `trainer.grad_clip`) and skips a step whose global gradient norm is not finite (ZeRO-3's
+    `step()` takes that as an overflow, in bf16 as in fp16, and clears the gradients). `loss_finite` (all-reduced by
+    the caller, so alike on every rank) is checked here too; a loss that went through `poisoned_unless_finite`
+    cannot be non-finite with finite gradients."""
     if is_deepspeed(accelerator):
         model.step()
         grad_norm = model.get_global_grad_norm()

