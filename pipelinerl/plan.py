@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelinerl.config import ConfigError, RunConfig, load_config, resolve_for_machine
-from pipelinerl.placement import NodeEnv, NodePlan, plan_node
+from pipelinerl.placement import NodeEnv, NodePlan, listed_gpus, plan_node
 
 GIB = 2**30
 MIB = 2**20
@@ -484,16 +484,33 @@ class EngineMemory:
     max_model_len: int
     note: str = ""
     tensor_parallel: int = 1  # GPUs of the engine
-    # vLLM stages each weight update whole on every worker, outside its memory budget: on the GPU when the
-    # update fits in what the budget leaves (`engines/vllm/worker_extension.staging_device`), else in page-locked
+    # vLLM stages each weight update whole on every worker, outside its memory budget, on the GPU when the update
+    # fits in what the budget leaves; otherwise it streams the update into its weights while generation pauses
+    # (`engines/vllm/worker_extension.update_mode`), or, with PIPELINERL_VLLM_STAGING=cpu, stages it in page-locked
     # host memory. 0: the engine receives in place (embedded) or per call (SGLang).
     staging: int = 0
     gpu_bytes: int = 0
     colocated: bool = False  # the trainer takes its share of the same GPU: staged in host memory to be safe
+    staging_choice: str = "auto"  # PIPELINERL_VLLM_STAGING
 
     @property
     def staging_on_gpu(self) -> bool:
-        return bool(self.staging) and not self.colocated and self.budget + self.staging <= self.gpu_bytes
+        if self.staging_choice in ("cpu", "stream"):
+            return False
+        return bool(self.staging) and not self.colocated and (
+            self.staging_choice == "gpu" or self.budget + self.staging <= self.gpu_bytes)
+
+    @property
+    def streamed(self) -> bool:
+        """Updates go straight into the weights during a pause: no staging memory anywhere."""
+        if not self.staging or self.staging_on_gpu:
+            return False
+        return self.staging_choice == "stream" or (self.staging_choice == "auto" and not self.colocated)
+
+    @property
+    def host_staging(self) -> int:
+        """Host memory one worker stages an update in (page-locked): the whole update, or 0."""
+        return self.staging if self.staging and not self.staging_on_gpu and not self.streamed else 0
 
     @property
     def kv_room(self) -> int:
@@ -527,14 +544,17 @@ def engine_memory(shape: ModelShape, cfg: RunConfig, gpu_bytes: int) -> EngineMe
         return EngineMemory(e.kind, weights + overhead + kv * e.max_batch_tokens, weights, overhead, kv,
                             e.max_model_len, f"KV for engine.max_batch_tokens {e.max_batch_tokens}", tp)
     util = e.gpu_memory_utilization
-    staging = 0
+    staging, choice = 0, "auto"
     if e.kind == "vllm":
-        from pipelinerl.engines.vllm.worker_extension import STAGING_SLACK_BYTES
+        import os
+
+        from pipelinerl.engines.vllm.worker_extension import STAGING_ENV, STAGING_SLACK_BYTES
 
         staging = shape.num_params * wb + 2 * shape.largest_tensor * wb + STAGING_SLACK_BYTES
+        choice = os.environ.get(STAGING_ENV, "auto")
     return EngineMemory(e.kind, int(util * gpu_bytes), weights, engine_overhead(shape, cfg), kv, e.max_model_len,
                         f"engine.gpu_memory_utilization {util:g} x {_gib(gpu_bytes)} GiB", tp, staging, gpu_bytes,
-                        e.colocate_with_trainer)
+                        e.colocate_with_trainer, choice)
 
 
 # --- the plan ------------------------------------------------------------------------------------------------
@@ -545,6 +565,8 @@ class Cluster:
     nodes: int
     gpus_per_node: int
     gpu_memory_gib: float
+    host_memory_gib: float = 0.0  # per node; 0: not known (not checked)
+    host_memory_guessed: bool = False  # this machine's, which has no GPU: a warning, not a verdict
 
     @property
     def gpu_bytes(self) -> int:
@@ -592,6 +614,11 @@ class Plan:
     @property
     def fits(self) -> bool:
         return not self.problems
+
+    @property
+    def host_per_node(self) -> list[int]:
+        """Host memory each node needs (`host_memory`)."""
+        return [host_memory(self, n) for n in self.nodes]
 
     @property
     def on_gpu(self) -> bool:
@@ -656,6 +683,24 @@ def _gpu_uses(nodes: list[NodePlan], cluster: Cluster, main: TrainerMemory, othe
     return uses
 
 
+# Host memory of each process beside what the plan counts (Python, torch and CUDA's host side, vLLM's scheduler,
+# DeepSpeed's buffers): a round figure, so that a node whose host memory is nearly full is still caught.
+HOST_PROCESS_GIB = 6.0
+
+
+def host_memory(plan: Plan, node: NodePlan) -> int:
+    """Host memory node `node` needs: per trainer process its offloaded state and HOST_PROCESS_GIB, per engine
+    worker HOST_PROCESS_GIB and, where updates are staged in host memory, the whole update."""
+    per_process = int(HOST_PROCESS_GIB * GIB)
+    need = 0
+    for k in range(node.trainer_processes if node.runs_trainer else 0):
+        rank = node.first_trainer_rank + k
+        need += (plan.trainer_main if rank == 0 else plan.trainer_other or plan.trainer_main).host_bytes + per_process
+    workers = sum(len(s.gpus) or 1 for s in node.engines)
+    staging = plan.engine.host_staging if plan.engine is not None else 0
+    return need + workers * (per_process + staging)
+
+
 def _check(plan: Plan) -> None:
     """Problems (the recipe does not fit) and warnings, one per kind of GPU rather than one per GPU."""
     seen: set[tuple[tuple[str, ...], int]] = set()
@@ -675,6 +720,22 @@ def _check(plan: Plan) -> None:
         if plan.colocated and what == "trainer" and plan.engine is not None:
             text += f" (the engine's share, {_gib(plan.engine.budget)} GiB, included)"
         plan.problems.append(text)
+    host = plan.cluster.host_memory_gib * GIB
+    if host:
+        short = [(n.node.rank, need) for n, need in zip(plan.nodes, plan.host_per_node) if need > host]
+        if short:
+            rank, need = max(short, key=lambda x: x[1])
+            staged = plan.engine is not None and plan.engine.host_staging
+            why = (f" ({_gib(plan.engine.host_staging)} GiB of it per engine worker: weight updates staged in host "
+                   "memory by PIPELINERL_VLLM_STAGING=cpu; leave it unset to stream them instead)" if staged else "")
+            text = (f"host: node{'s' if len(short) > 1 else ''} {_range([r for r, _ in short])} "
+                    f"need{'s' if len(short) == 1 else ''} up to {_gib(need)} GiB of host memory, and a node has "
+                    f"{_gib(host)} GiB{why}")
+            if plan.cluster.host_memory_guessed:
+                plan.warnings.append(f"{text}: this machine's memory, and it has no GPU, so it is probably not a node "
+                                     "of this cluster; pass --host-memory with the nodes' memory to check")
+            else:
+                plan.problems.append(f"{text} (--host-memory)")
     e = plan.engine
     if e is None:
         return
@@ -1017,6 +1078,8 @@ def format_plan(plan: Plan, cfg: RunConfig, recipe: str = "") -> str:
         out.append("")
         out.extend(_engine_table(plan, where))
     out.append("")
+    out.extend(_run_lines(plan, cfg))
+    out.append("")
     if not plan.on_gpu:
         out.append("verdict: a CPU recipe: nothing to place on GPUs; the figures above are host RAM estimates")
         return "\n".join(out)
@@ -1040,6 +1103,41 @@ def format_plan(plan: Plan, cfg: RunConfig, recipe: str = "") -> str:
             for sug in plan.suggestions:
                 out.append(f"  - {sug.text}")
     return "\n".join(out)
+
+
+def _checkpoint(plan: Plan, cfg: RunConfig):
+    from pipelinerl.sizing import checkpoint_size
+
+    return checkpoint_size(cfg, plan.shape.num_params, plan.sharding.deepspeed, _precision(cfg, plan.on_gpu) == "bf16")
+
+
+def _start_timeout(plan: Plan, cfg: RunConfig) -> float:
+    from pipelinerl.sizing import engine_start_timeout_s
+
+    return engine_start_timeout_s(cfg, plan.shape.num_params)
+
+
+def _run_lines(plan: Plan, cfg: RunConfig) -> list[str]:
+    """Host memory per node, the checkpoints and the disk they take, the engines' start deadline."""
+    from pipelinerl.sizing import checkpoints_on_disk, disk_size
+
+    out = ["run"]
+    if plan.on_gpu:
+        host = plan.cluster.host_memory_gib
+        needs = plan.host_per_node
+        of = f" of {_gib(host * GIB)} GiB (--host-memory)" if host else ""
+        per_node = ", ".join(f"node {n.node.rank} {_gib(x)} GiB" for n, x in zip(plan.nodes, needs))
+        out.append(f"  host memory per node: {per_node}{of}")
+    size = _checkpoint(plan, cfg)
+    held = checkpoints_on_disk(cfg)
+    out.append(f"  checkpoint: {size.describe()}; up to {held} at once in run_dir (trainer.keep_checkpoints "
+               f"{cfg.trainer.keep_checkpoints} and the one being written): {disk_size(held * size.total)}; the "
+               "launcher refuses a run_dir whose filesystem cannot hold two")
+    timeout = _start_timeout(plan, cfg)
+    how = "engine.start_timeout_s" if cfg.engine.start_timeout_s is not None else \
+        "sized from the weights: engine.start_timeout_s to change it"
+    out.append(f"  engines must answer within {timeout:g} s of their start ({how})")
+    return out
 
 
 def _trainer_table(plan: Plan, where: str) -> list[str]:
@@ -1091,16 +1189,21 @@ def _engine_table(plan: Plan, where: str) -> list[str]:
     per = "engine" if tp == 1 else f"engine GPU ({tp} per engine)"
     lines = _table(f"engine memory{where}, GiB per {per}", [""], rows)
     if e.staging:
+        fits = max(0.0, 1 - e.staging / e.gpu_bytes) if e.gpu_bytes else 0.0
         if e.staging_on_gpu:
             lines.append(f"  weight updates staged on each engine GPU: {_gib(e.staging)} GiB beside the budget")
+        elif e.streamed:
+            lines.append(f"  weight updates streamed into the weights while generation pauses (staging one takes "
+                         f"{_gib(e.staging)} GiB beside the budget, which a GPU does not have): no staging memory; "
+                         f"engine.gpu_memory_utilization <= {fits:.2f} would stage them on the GPU and pause only "
+                         "for the switch")
         elif e.colocated:
             lines.append(f"  weight updates staged in host memory unless the trainer leaves {_gib(e.staging)} GiB "
                          "free on the shared GPU (checked at each update)")
         else:
-            fits = max(0.0, 1 - e.staging / e.gpu_bytes) if e.gpu_bytes else 0.0
-            lines.append(f"  weight updates staged in page-locked host memory: {_gib(e.staging)} GiB per engine "
-                         f"GPU (the whole update on every worker); engine.gpu_memory_utilization <= {fits:.2f} "
-                         "would stage them on the GPU, sparing the host copy")
+            lines.append(f"  weight updates staged in page-locked host memory (PIPELINERL_VLLM_STAGING="
+                         f"{e.staging_choice}): {_gib(e.staging)} GiB per engine GPU (the whole update on every "
+                         "worker)")
     return lines
 
 
@@ -1151,7 +1254,12 @@ def plan_to_json(plan: Plan, cfg: RunConfig) -> dict[str, Any]:
             "weights_bytes": e.weights, "overhead_bytes": e.overhead,
             "kv_room_bytes": e.kv_room, "kv_bytes_per_token": e.kv_bytes_per_token, "tokens": e.tokens,
             "sequences": e.sequences, "max_model_len": e.max_model_len, "update_staging_bytes": e.staging,
-            "update_staging_on_gpu": e.staging_on_gpu},
+            "update_staging_on_gpu": e.staging_on_gpu, "updates_streamed": e.streamed,
+            "update_host_staging_bytes": e.host_staging},
+        "host_bytes_per_node": plan.host_per_node,
+        "host_memory_bytes": int(plan.cluster.host_memory_gib * GIB),
+        "checkpoint_bytes": _checkpoint(plan, cfg).total,
+        "engine_start_timeout_s": _start_timeout(plan, cfg),
         "problems": plan.problems,
         "warnings": plan.warnings,
         "suggestions": [dataclasses.asdict(x) for x in plan.suggestions],
@@ -1167,6 +1275,8 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
                         help="GPUs per node (default: resources.gpus_per_node; 0 plans a CPU run)")
     parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                         help="memory per GPU in GiB (default: resources.gpu_memory_gib)")
+    parser.add_argument("--host-memory", type=float, default=None, metavar="GIB",
+                        help="host memory per node in GiB (default: this machine's; 0: not checked)")
     parser.add_argument("--json", action="store_true", default=None, help="print the plan as JSON")
 
 
@@ -1188,7 +1298,7 @@ def _flags_among_overrides(args: argparse.Namespace) -> None:
     unknown = [x for x in rest if x.startswith("-")]
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown option (the options are --nodes, --gpus-per-node, --gpu-memory, "
-                          "--json)")
+                          "--host-memory, --json)")
     args.overrides = rest
 
 
@@ -1200,6 +1310,17 @@ def check_flags(nodes: int | None, gpus: int | None, memory: float | None) -> No
         raise ConfigError(f"--gpus-per-node: must be >= 0 (0: a CPU run), got {gpus}")
     if memory is not None and not memory > 0:
         raise ConfigError(f"--gpu-memory: must be > 0 GiB, got {memory:g}")
+
+
+def machine_host_memory_gib() -> float:
+    """This machine's memory in GiB (/proc/meminfo's MemTotal; 0 where that cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / GIB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
 
 
 def cluster_of(cfg: RunConfig) -> Cluster:
@@ -1220,7 +1341,11 @@ def main(args: argparse.Namespace) -> int:
                  "resources.gpu_memory_gib": args.gpu_memory}
         overrides = list(args.overrides) + [f"{k}={v}" for k, v in flags.items() if v is not None]
         cfg = load_config(args.recipe, overrides)
-        cluster = cluster_of(cfg)
+        if args.host_memory is not None and args.host_memory < 0:
+            raise ConfigError(f"--host-memory: must be >= 0 GiB (0: not checked), got {args.host_memory:g}")
+        host = machine_host_memory_gib() if args.host_memory is None else args.host_memory
+        guessed = args.host_memory is None and cfg.resources.gpus_per_node > 0 and listed_gpus() == 0
+        cluster = dataclasses.replace(cluster_of(cfg), host_memory_gib=host, host_memory_guessed=guessed)
         cfg, _ = resolve_for_machine(cfg, cluster.gpus_per_node)  # the report names the dtype it planned
         plan = make_plan(cfg, cluster)
     except ConfigError as e:

@@ -94,6 +94,11 @@ def disk_problem(cfg: RunConfig, size: CheckpointSize, free_bytes: int, where: s
     return None, None
 
 
+def disk_size(n: float) -> str:
+    """Bytes in decimal units, as disks are sold (GB, TB)."""
+    return _gb(n)
+
+
 def _gb(n: float) -> str:
     if n >= 1000 * GB:
         return f"{n / 1e12:.2f} TB"

@@ -736,5 +736,46 @@ def receive_tensors(group: WeightUpdateGroup, specs: Sequence[TensorSpec], bucke
     return result
 
 
+def receive_stream(group: WeightUpdateGroup, specs: Sequence[TensorSpec], bucket_bytes: int = 0
+                   ) -> Iterator[tuple[int, torch.Tensor]]:
+    """Rank > 0: the tensors of an update as they arrive, (index in `specs`, tensor), bucket by bucket, in memory
+    that is used again for later buckets: the consumer must be done with (or have copied) a bucket's tensors when
+    it asks for the first tensor of the next bucket but one. Only `PIPELINE_DEPTH` buckets of memory are taken,
+    whatever the update's size (the whole update never exists on this rank). `drain` throws everything away."""
+    buckets = _layout(specs, bucket_bytes)
+    group.buffers.reserve(max((b.nbytes for b in buckets), default=0), group.device)
+    wait_limit = timedelta(seconds=group.timeout_s) if group.backend == "nccl" else None
+    in_flight: deque[tuple[dist.Work, _Bucket, torch.Tensor]] = deque()
+
+    def issue(k: int) -> None:
+        bucket = buckets[k]
+        tensor = _on_wire(group.buffers.slot(k, bucket.nbytes), specs, bucket, bucket_bytes)
+        in_flight.append((group.broadcast_async(tensor), bucket, tensor))
+
+    try:
+        for k in range(min(PIPELINE_DEPTH, len(buckets))):
+            issue(k)
+        for k in range(len(buckets)):
+            work, bucket, received = in_flight.popleft()
+            work.wait() if wait_limit is None else work.wait(wait_limit)
+            flat = received.reshape(-1).view(torch.uint8)
+            for i, offset in zip(bucket.indices, bucket.offsets):
+                spec = specs[i]
+                yield i, flat[offset:offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+            # the consumer asked past this bucket: its slot is free for the bucket PIPELINE_DEPTH later
+            if k + PIPELINE_DEPTH < len(buckets):
+                issue(k + PIPELINE_DEPTH)
+    except RuntimeError as e:
+        group.buffers.clear()  # a broadcast still in flight may write into them; the next update gets new ones
+        raise _check_timeout(e, group) from e
+
+
+def drain(group: WeightUpdateGroup, specs: Sequence[TensorSpec], bucket_bytes: int = 0) -> None:
+    """Rank > 0: take part in an update's broadcasts and keep nothing (a refused update: the sender and the other
+    members are not left waiting), in `PIPELINE_DEPTH` buckets of memory on the group's device."""
+    for _ in receive_stream(group, specs, bucket_bytes):
+        pass
+
+
 def total_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -314,4 +314,49 @@ def test_vllm_update_staging_goes_to_the_gpu_only_where_the_budget_leaves_room()
     roomy = engine_memory(shape, recipe("orz_7b.yaml", "engine.gpu_memory_utilization=0.75"), 80 * GIB)
     assert tight.staging == roomy.staging > shape.num_params * 2
     assert not tight.staging_on_gpu and roomy.staging_on_gpu
+    # what does not fit on the GPU is streamed into the weights, not staged in host memory
+    assert tight.streamed and tight.host_staging == 0 and not roomy.streamed
     assert engine_memory(shape, recipe("orz_7b.yaml", "engine.kind=embedded"), 80 * GIB).staging == 0
+
+
+def test_host_memory_per_node_is_checked_against_the_nodes_memory(capsys, monkeypatch):
+    """At 32B with tensor parallel 2, staging every update in host memory would take the whole update on each of an
+    engine node's 8 workers (8 x 65 GiB); streamed (the default where it does not fit on the GPU) it takes none."""
+    code, out, _ = run_cli(capsys, "recipes/orz_32b.yaml", "--host-memory", "512")
+    assert code == 0 and "host memory per node: node 0 48.0 GiB, node 1 48.0 GiB, node 2 48.0 GiB" in out
+    monkeypatch.setenv("PIPELINERL_VLLM_STAGING", "cpu")
+    code, out, _ = run_cli(capsys, "recipes/orz_32b.yaml", "--host-memory", "512")
+    assert code == 1 and "node 2 567.4 GiB" in out
+    assert "host: nodes 2-3 need up to 567.4 GiB of host memory, and a node has 512.0 GiB" in out
+    assert "PIPELINERL_VLLM_STAGING=cpu; leave it unset to stream them instead" in out
+    code, _, err = run_cli(capsys, "recipes/orz_32b.yaml", "--host-memory", "-1")
+    assert code == 2 and "--host-memory" in err
+
+
+def test_the_plan_gives_the_checkpoints_disk_and_the_engines_start_deadline(capsys):
+    code, out, _ = run_cli(capsys, "recipes/orz_7b.yaml", "--host-memory", "0")
+    assert code == 0 and "checkpoint: 213.2 GB (policy 106.6 GB, critic 106.6 GB; 14 B per parameter" in out
+    assert "up to 3 at once in run_dir" in out and "engines must answer within 900 s" in out
+    code, out, _ = run_cli(capsys, "recipes/orz_32b.yaml", "--host-memory", "0")
+    assert "checkpoint: 917.4 GB" in out and "2.75 TB" in out and "engines must answer within 1080 s" in out
+    code, out, _ = run_cli(capsys, "recipes/orz_32b.yaml", "--host-memory", "0", "engine.start_timeout_s=3000",
+                           "--json")
+    assert json.loads(out)["engine_start_timeout_s"] == 3000
+
+
+def test_the_launcher_refuses_a_run_dir_that_cannot_hold_two_checkpoints(monkeypatch, tmp_path):
+    import shutil
+
+    from pipelinerl.launch import run_dir_disk
+
+    cfg = recipe("orz_7b.yaml", f"run_dir={tmp_path / 'run'}")
+    free = {"bytes": 300 * 10**9}
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**13, 0, free["bytes"]))
+    problem, warning = run_dir_disk(cfg)
+    assert warning is None and problem.startswith(f"run_dir: {tmp_path} has 300.0 GB free, and two checkpoints")
+    free["bytes"] = 500 * 10**9  # two fit, three (keep_checkpoints 2 and the one being written) do not
+    problem, warning = run_dir_disk(cfg)
+    assert problem is None and "less than the 639.7 GB of the 3 checkpoints the run holds at once" in warning
+    free["bytes"] = 700 * 10**9
+    assert run_dir_disk(cfg) == (None, None)
+    assert run_dir_disk(recipe("tiny_cpu.yaml")) == (None, None)  # a tiny model: megabytes, not checked

@@ -107,7 +107,10 @@ def check_against_unsharded(got: dict, unsharded, engine) -> None:
         torch.testing.assert_close(params[name], expected[name], atol=atol, rtol=0, msg=name)
     for got_step, want_step in zip(got["stats"], expected_stats, strict=True):
         for key in ("loss", "kl", "grad_norm", "tokens", "samples", "micro_batches", "version", "ref_reset"):
-            assert got_step[key] == pytest.approx(want_step[key], rel=1e-5, abs=1e-6), key
+            # the gradient norm sums float32 squares in another order than one process's (and MKL may thread the
+            # unsharded run's products differently under load): 1.06e-5 apart was seen once under `make test`
+            rel = 1e-4 if key == "grad_norm" else 1e-5
+            assert got_step[key] == pytest.approx(want_step[key], rel=rel, abs=1e-6), key
     # the reference was reset to the gathered policy after step 2, so step 3's KL is zero again
     assert [s["ref_reset"] for s in got["stats"]] == [0, 1, 0]
     assert got["stats"][1]["kl"] > 0 and got["stats"][2]["kl"] == pytest.approx(0.0, abs=1e-6)

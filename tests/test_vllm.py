@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_until
 
 from pipelinerl.conformance import PASS, Reference, Settings, format_table, mismatch, run_suite
 from pipelinerl.contracts.inference import InitWeightUpdateGroupRequest
@@ -35,7 +36,7 @@ from pipelinerl.engines.vllm import launcher
 from pipelinerl.engines.vllm.front import ReceiveNotices, check_group_ranks, merge_receive_status
 from pipelinerl.engines.vllm.worker_extension import STAGING_SLACK_BYTES, group_rank, notify_front, staging_device
 from pipelinerl.models.tiny import build_tiny_model
-from pipelinerl.procs import engine_command, free_port, start_process, stop_process, tail
+from pipelinerl.procs import engine_command, free_port, start_process, stop_process, tail, wait_for_port
 from pipelinerl.weight_sync import broadcast_tensors, init_weight_update_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,26 +235,30 @@ def vllm_model_dir(tmp_path_factory) -> Path:
 
 @contextlib.contextmanager
 def running_vllm(model_dir: Path, log: Path, max_model_len: int, max_running_seqs: int, tensor_parallel: int = 1,
-                 processes: list | None = None):
+                 processes: list | None = None, env: dict[str, str] | None = None):
     """`pipelinerl serve --engine vllm` for `model_dir`, healthy; stopped on the way out. Its process is appended
     to `processes` when given."""
-    port = free_port()
-    cmd = engine_command(str(model_dir), port, engine="vllm",
+    port_file = log.with_suffix(".port")
+    port_file.unlink(missing_ok=True)
+    cmd = engine_command(str(model_dir), 0, engine="vllm",
                          extra=["--max-model-len", str(max_model_len), "--max-running-seqs", str(max_running_seqs),
-                                "--threads", "1", "--tensor-parallel-size", str(tensor_parallel)])
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+                                "--threads", "1", "--tensor-parallel-size", str(tensor_parallel),
+                                "--port-file", str(port_file)])
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     proc = start_process(cmd, log, env=env)
     if processes is not None:
         processes.append(proc)
-    client = EngineClient(f"http://127.0.0.1:{port}")
+    client = None
     try:
         try:
+            client = EngineClient(f"http://127.0.0.1:{wait_for_port(port_file, proc, 400)}")
             client.wait_healthy(timeout_s=400, process=proc)
         except Exception as e:
             raise RuntimeError(f"{e}\n--- vLLM engine log ---\n{tail(log, 40)}") from e
         yield client
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         stop_process(proc, timeout_s=30)
 
 
@@ -269,6 +274,66 @@ def test_conformance_suite_passes(engine, vllm_model_dir):
     table = format_table(results)
     print(table)
     assert all(r.status == PASS for r in results), table
+
+
+@needs_vllm
+def test_streamed_updates_pass_the_conformance_suite_and_refuse_a_partial_one(vllm_imports, vllm_model_dir, tmp_path):
+    """Updates streamed into vLLM's weights while generation pauses (what a GPU engine does when the update does
+    not fit beside vLLM: worker_extension's "stream"), forced here over gloo: every update check of the suite
+    passes (outputs and versions as pushed, an update landing mid-generation, a refused update drained), and an
+    update of part of the model is refused naming `params`, the engine serving on unchanged."""
+    with running_vllm(vllm_model_dir, tmp_path / "vllm.log", 1024, 8,
+                      env={"PIPELINERL_VLLM_STAGING": "stream"}) as client:
+        results = run_suite(client.url, str(vllm_model_dir), settings=Settings(in_flight_seconds=2.0))
+        table = format_table(results)
+        assert all(r.status == PASS for r in results), table + "\n" + tail(tmp_path / "vllm.log", 40)
+        ref = Reference(str(vllm_model_dir))
+        port = free_port()
+        world, futures = init_group_on_engines([client], "127.0.0.1", port, "gloo", "streamed", 60)
+        group = init_weight_update_group("127.0.0.1", port, 0, world, "gloo", "streamed", 60)
+        try:
+            for f in futures:
+                f.result()
+            version = client.info().weight_version
+            prompt = [5, 6, 67, 7, 8, 71]
+            before = client.generate(prompt, temperature=0, max_new_tokens=12, ignore_eos=True).completions[0]
+            name = "model.layers.0.self_attn.q_proj.weight"
+            with pytest.raises(EngineError, match=r"answered 400: the update leaves out 25 of the model's parameters"):
+                push_weights(group, [client], [(name, ref.base[name] * 2)], version + 1)
+            after = client.generate(prompt, temperature=0, max_new_tokens=12, ignore_eos=True).completions[0]
+            assert after.token_ids == before.token_ids and client.info().weight_version == version
+
+            # the trainer dies halfway through a streamed update: the update fails (504), and the engine, its
+            # weights partly new, refuses to generate (409) until a complete update lands
+            named = ref.named({n: t * 1.5 for n, t in ref.base.items()})
+            half = len(named) // 2
+
+            def broadcast_half(ready) -> int:
+                ready()
+                for _, t in named[:half]:
+                    group.broadcast(t.contiguous())
+                group.destroy()
+                raise RuntimeError("the trainer died")
+
+            with pytest.raises(RuntimeError, match="the trainer died"):
+                send_update_and_broadcast(group, [client], named, version + 1, 0, broadcast_half)
+            wait_until(lambda: "streamed weight update failed" in (tmp_path / "vllm.log").read_text(),
+                       "the engine notices the lost broadcast", timeout_s=90)
+            with pytest.raises(EngineError, match="answered 409: this engine's weights are partly of two versions"):
+                client.generate(prompt, temperature=0, max_new_tokens=4)
+        finally:
+            group.destroy()
+        port = free_port()
+        world, futures = init_group_on_engines([client], "127.0.0.1", port, "gloo", "again", 60)
+        group = init_weight_update_group("127.0.0.1", port, 0, world, "gloo", "again", 60)
+        try:
+            for f in futures:
+                f.result()
+            push_weights(group, [client], ref.named(ref.base), version + 2)
+            again = client.generate(prompt, temperature=0, max_new_tokens=12, ignore_eos=True).completions[0]
+            assert again.token_ids == before.token_ids and set(again.versions) == {version + 2}
+        finally:
+            group.destroy()
 
 
 @needs_vllm

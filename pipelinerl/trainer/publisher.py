@@ -237,10 +237,28 @@ class WeightPublisher:
             yield from self._fsdp1_tensors(all_ranks)
 
     def _zero3_units(self, units: list[list[int]]) -> Iterator[Tensor]:
+        """ZeRO-3's full parameters, one unit at a time, gathered from every rank's partition (`ds_tensor`: rank r
+        holds elements r * n .. (r + 1) * n of the parameter flattened and padded to a multiple of the ranks) with
+        one all-gather per parameter on DeepSpeed's own group, ordered on the device, never waited for on the host.
+
+        Why not `deepspeed.zero.GatheredParameters`: its gather ends in `get_accelerator().synchronize()` (DeepSpeed
+        0.19.8, partition_parameters.py), a wait for every stream of the GPU, the weight-update group's broadcast of
+        the previous bucket included: gathering the next unit could never overlap sending the last one, and the two
+        packing buffers of `broadcast_stream` would buy nothing. Parameters whose partition is not on this rank's
+        device (offload_param to CPU or NVMe) or is quantized are gathered by DeepSpeed as before. Set
+        PIPELINERL_ZERO3_GATHER=deepspeed to gather everything that way."""
+        import os
+
         import deepspeed
 
+        direct = os.environ.get(ZERO3_GATHER_ENV, "direct") != "deepspeed"
         for unit in units:
             params = [self.named[i][1] for i in unit]
+            if direct and all(_partition_on_device(p) for p in params):
+                gathered = [_gather_partitions(p) for p in params]
+                yield from gathered
+                del gathered  # freed on the current stream: reused only after what was queued to read them
+                continue
             with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
                 for p in params:
                     yield p.data  # the gathered storage is released when the context exits
@@ -306,6 +324,33 @@ class WeightPublisher:
                 if key not in copies:
                     copies[key] = t.clone()
                 state_dict[name] = copies[key]
+
+
+ZERO3_GATHER_ENV = "PIPELINERL_ZERO3_GATHER"  # direct (default) | deepspeed: see WeightPublisher._zero3_units
+
+
+def _partition_on_device(p: Tensor) -> bool:
+    """A ZeRO-3 parameter whose partition this rank holds in plain form on its own device."""
+    part = getattr(p, "ds_tensor", None)
+    if part is None or hasattr(part, "ds_quant_scale") or getattr(p, "ds_process_group", None) is None:
+        return False
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
+
+    return getattr(part, "status", None) == PartitionedParamStatus.AVAILABLE and \
+        part.device == torch.device(get_accelerator().current_device_name())
+
+
+def _gather_partitions(p: Tensor) -> Tensor:
+    """The full parameter from every rank's partition (see `WeightPublisher._zero3_units`): an all-gather into a
+    new tensor, the current stream ordered after it (NCCL) or the host after it (gloo), no device-wide sync."""
+    import torch.distributed as dist
+
+    part = p.ds_tensor
+    world = dist.get_world_size(p.ds_process_group)
+    flat = torch.empty(part.numel() * world, dtype=part.dtype, device=part.device)
+    dist.all_gather_into_tensor(flat, part.contiguous(), group=p.ds_process_group, async_op=True).wait()
+    return flat.narrow(0, 0, p.ds_numel).view(p.ds_shape)
 
 
 def _is_fsdp2(module: nn.Module) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -166,6 +167,8 @@ class VLLMBackend:
         self.version = settings.initial_version
         self.metrics = FrontMetrics()
         self._group_name: str | None = None
+        self._group_backend = "gloo"
+        self._mixed_weights = False  # a streamed update failed midway (see _streamed_update)
         self._update_lock = asyncio.Lock()
         self._in_flight: set[str] = set()
         self._http: httpx.AsyncClient | None = None
@@ -192,6 +195,9 @@ class VLLMBackend:
     # --- generation ----------------------------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        if self._mixed_weights:
+            raise ContractError(409, "this engine's weights are partly of two versions (an update failed midway); "
+                                     "it generates again after the next complete update", type="conflict")
         s = self.settings
         max_new = check_generate(req, self.facts.vocab_size, s.max_model_len, s.max_running_seqs, self.tokenizer)
         rid = req.request_id or uuid.uuid4().hex
@@ -293,6 +299,7 @@ class VLLMBackend:
                 raise ContractError(500, f"{len(ranks)} vLLM workers joined the group, expected {workers} "
                                          "(--tensor-parallel-size)", type="weight_sync_error")
             self._group_name = req.group_name
+            self._group_backend = req.backend
 
     async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         async with self._update_lock:
@@ -302,6 +309,8 @@ class VLLMBackend:
             t0 = time.perf_counter()
             problem = check_update(req.params, self.facts.params)
             specs = [[p.name, p.dtype, p.shape] for p in req.params]
+            if await self._update_mode(specs) == "stream":
+                return await self._streamed_update(req, specs, problem, t0)
             port = await self._notices.start()
             token = self._notices.expect(self.settings.tensor_parallel_size)
             try:
@@ -323,6 +332,62 @@ class VLLMBackend:
             self.metrics.update_done(nbytes, receive_s, switch_s)
             return UpdateWeightsResponse(version=req.version, received_bytes=nbytes, receive_s=receive_s,
                                          switch_s=switch_s)
+
+    async def _update_mode(self, specs: list) -> str:
+        """"stream" when any worker would stream this update (every worker must take it the same way), else
+        "stage" (worker_extension.update_mode). Over gloo updates are staged unless PIPELINERL_VLLM_STAGING says
+        stream: no question to the workers then."""
+        from pipelinerl.engines.vllm.worker_extension import STAGING_ENV
+
+        if self._group_backend != "nccl" and os.environ.get(STAGING_ENV, "auto") != "stream":
+            return "stage"
+        modes = [r.get("mode") for r in await self._rpc("pipelinerl_update_mode", {"specs": specs})]
+        return "stream" if "stream" in modes else "stage"
+
+    async def _streamed_update(self, req: UpdateWeightsRequest, specs: list, problem: tuple[str, str] | None,
+                               t0: float) -> UpdateWeightsResponse:
+        """Generation paused, the update received straight into the weights (worker_extension's "stream"), the
+        version relabelled, generation resumed. A refused update is drained first (two buckets of memory)."""
+        missing = [name for name in self.facts.params if name not in {p.name for p in req.params}
+                   and not (name == "lm_head.weight" and self.facts.tied_embeddings)]
+        if problem is None and missing:
+            problem = ("params", f"the update leaves out {len(missing)} of the model's parameters (first: "
+                                 f"{missing[0]!r}), and this engine streams updates into its weights (an update too "
+                                 "large to stage on the GPU beside vLLM, or PIPELINERL_VLLM_STAGING=stream), which "
+                                 "takes every parameter; send all of them, or stage updates in host memory with "
+                                 "PIPELINERL_VLLM_STAGING=cpu")
+        if problem is not None:
+            port = await self._notices.start()
+            token = self._notices.expect(self.settings.tensor_parallel_size)
+            try:
+                await self._rpc("pipelinerl_start_receive", {"specs": specs, "bucket_bytes": req.bucket_bytes,
+                                                             "apply": False, "notify": {"port": port, "token": token}})
+                await self._wait_received(token)
+            finally:
+                self._notices.forget(token)
+            self.metrics.refused_updates += 1
+            raise ContractError(400, problem[1], problem[0], "mismatched_update")
+        await self._post("/pause", None, params={"mode": "keep", "clear_cache": "false"})
+        try:
+            try:
+                results = await self._rpc("pipelinerl_receive_and_load",
+                                          {"specs": specs, "bucket_bytes": req.bucket_bytes},
+                                          timeout_s=self.settings.update_timeout_s)
+            except ContractError as e:
+                self._mixed_weights = True
+                raise ContractError(504, f"receiving the update failed: {e.message}; the engine's weights are now "
+                                         "partly new and partly old, so it refuses to generate until the next "
+                                         "complete update", type="weight_sync_error") from None
+            await self._post("/update_weight_version", {"new_version": str(req.version)})
+            self.version = req.version
+            self._mixed_weights = False
+        finally:
+            await self._post("/resume", None)
+        nbytes = sum(param_nbytes(p.dtype, p.shape) for p in req.params)
+        switch_s = max(float(r.get("switch_s", 0.0)) for r in results)
+        self.metrics.update_done(nbytes, time.perf_counter() - t0, switch_s)
+        return UpdateWeightsResponse(version=req.version, received_bytes=nbytes, receive_s=time.perf_counter() - t0,
+                                     switch_s=switch_s)
 
     async def _wait_received(self, token: str) -> dict:
         """Every worker's receive status once all are done (or one failed): from their notices, or, where a

@@ -18,13 +18,21 @@ moves every layer's parameters to the meta device until that layer's last weight
 run a step from the first bucket to the last: generation would stop for the whole transfer. Staging the update
 and reloading it in one go keeps the stop to the reload.
 
-Where an update is staged (`staging_device`): on the group's device when it is a GPU (NCCL) and the update fits
-in the GPU's free memory: each bucket is received in place, with no copy, and the switch copies GPU to GPU. That
-costs GPU memory outside vLLM's share (`--gpu-memory-utilization`) equal to the whole update, on every worker:
-the wire carries full checkpoint tensors and vLLM's weight loaders cut each worker's shard out of them at the
-switch, so a tensor-parallel worker stages the full model too. When it does not fit, the update is staged in
-page-locked host memory (one DMA each way, no pageable bounce), and on CPU (gloo) in host memory as before.
-`PIPELINERL_VLLM_STAGING=gpu|cpu` forces either.
+How an update is taken (`update_mode`):
+- staged on the GPU ("gpu", a GPU group whose update fits in the GPU's free memory): each bucket is received in
+  place, with no copy, while vLLM decodes, and the switch copies GPU to GPU. That costs GPU memory outside vLLM's
+  share (`--gpu-memory-utilization`) equal to the whole update, on every worker: the wire carries full checkpoint
+  tensors and vLLM's weight loaders cut each worker's shard out of them at the switch, so a tensor-parallel worker
+  stages the full model too.
+- streamed ("stream", a GPU group whose update does not fit): generation pauses, and the update goes bucket by
+  bucket straight into the weights through vLLM's layerwise reload (what vLLM's own NCCL weight transfer does),
+  in `PIPELINE_DEPTH` buckets of GPU memory and none of the host's. The pause is the transfer, a few seconds at
+  32B; staging it instead would take the whole update per worker in page-locked host memory: at 32B with tensor
+  parallel 2, 8 workers x 65 GB = 520 GB on one engine node, more than such nodes can lock. Only a complete update
+  can be streamed (a layer is rebuilt from all of its weights); a failure midway leaves some layers new and the
+  rest old, and the front then refuses to generate (409) until the next complete update lands.
+- staged in host memory ("cpu"): on CPU (gloo) always; on a GPU only when asked (page-locked: one DMA each way).
+`PIPELINERL_VLLM_STAGING=gpu|cpu|stream` forces one.
 
 Tensor parallelism: vLLM calls every method on every worker; worker w of an engine is rank `rank_offset + w`
 of the group, receives the full tensors and loads its shard (the reload runs vLLM's weight loaders, which
@@ -50,7 +58,9 @@ from pipelinerl.weight_sync import (
     DTYPES,
     TensorSpec,
     WeightUpdateGroup,
+    drain,
     init_weight_update_group,
+    receive_stream,
     receive_tensors,
     wire_buffers,
 )
@@ -60,29 +70,39 @@ from pipelinerl.weight_sync import (
 log = logging.getLogger(f"vllm.{__name__}")
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-STAGING_ENV = "PIPELINERL_VLLM_STAGING"  # auto (default) | gpu | cpu
-STAGING_CHOICES = ("auto", "gpu", "cpu")
+STAGING_ENV = "PIPELINERL_VLLM_STAGING"  # auto (default) | gpu | cpu | stream
+STAGING_CHOICES = ("auto", "gpu", "cpu", "stream")
 # GPU memory an update staged on the GPU must leave free beyond itself: the reload materialises one layer at a
 # time in fresh memory before copying it into the running weights (twice the largest tensor covers a layer of
 # this shape family), plus room for NCCL's and the allocator's own needs.
 STAGING_SLACK_BYTES = 1 << 30
 
 
-def staging_device(group_device: torch.device, update_bytes: int, largest_bytes: int, free_bytes: int | None,
-                   choice: str = "auto") -> torch.device:
-    """Where to stage an update of `update_bytes` (largest tensor `largest_bytes`) received over a group whose
-    tensors land on `group_device`, with `free_bytes` free on that device (None: unknown).
+def update_mode(group_device: torch.device, update_bytes: int, largest_bytes: int, free_bytes: int | None,
+                choice: str = "auto") -> str:
+    """How to take an update of `update_bytes` (largest tensor `largest_bytes`) received over a group whose
+    tensors land on `group_device`, with `free_bytes` free on that device (None: unknown): "gpu", "cpu" (staged
+    there) or "stream" (see the module docstring).
 
-    A GPU group stages on its GPU when `choice` is "gpu", or "auto" and the update fits with room to spare;
-    else in host memory (the caller page-locks it). A CPU group always stages in host memory."""
+    auto: a GPU group stages on its GPU when the update fits with room to spare, else streams; a CPU group stages
+    in host memory. `choice` forces one ("gpu" on a CPU group stages in host memory: there is no GPU)."""
     if choice not in STAGING_CHOICES:
         raise ValueError(f"{STAGING_ENV}={choice!r}: must be one of {', '.join(STAGING_CHOICES)}")
+    if choice == "stream":
+        return "stream"
     if group_device.type == "cpu" or choice == "cpu":
-        return torch.device("cpu")
+        return "cpu"
     if choice == "gpu":
-        return group_device
+        return "gpu"
     fits = free_bytes is not None and update_bytes + 2 * largest_bytes + STAGING_SLACK_BYTES <= free_bytes
-    return group_device if fits else torch.device("cpu")
+    return "gpu" if fits else "stream"
+
+
+def staging_device(group_device: torch.device, update_bytes: int, largest_bytes: int, free_bytes: int | None,
+                   choice: str = "auto") -> torch.device:
+    """Where a staged update goes (`update_mode` "gpu" or "cpu"; a "stream" is never staged)."""
+    mode = update_mode(group_device, update_bytes, largest_bytes, free_bytes, choice)
+    return group_device if mode == "gpu" else torch.device("cpu")
 
 
 def group_rank(rank_offset: int, worker: int, workers: int, world_size: int) -> int:
@@ -166,6 +186,62 @@ class PipelineRLWorkerExtension:
                          name="pipelinerl-receive", daemon=True).start()
         return {}
 
+    def pipelinerl_update_mode(self, payload: str) -> dict:
+        """How this worker would take an update of these specs (`update_mode`), decided before any byte moves."""
+        req = json.loads(payload)
+        group = getattr(self, "_pl_group", None)
+        if group is None:
+            raise RuntimeError("not in a weight-update group")
+        specs = [TensorSpec(n, DTYPES[d], tuple(s)) for n, d, s in req["specs"]]
+        free = torch.cuda.mem_get_info(group.device)[0] if group.device.type == "cuda" else None
+        mode = update_mode(group.device, sum(s.nbytes for s in specs), max((s.nbytes for s in specs), default=0),
+                           free, os.environ.get(STAGING_ENV, "auto"))
+        return {"mode": mode}
+
+    def pipelinerl_receive_and_load(self, payload: str) -> dict:
+        """A streamed update: receive it bucket by bucket straight into the running model through vLLM's
+        layerwise reload, inside the engine loop (the front has paused generation). Every parameter must be in
+        it (the front checks). On a failure midway the layers not yet rebuilt get their old tensors back, so the
+        engine can run, with its weights partly new: the front stops generating until a complete update."""
+        req = json.loads(payload)
+        group = getattr(self, "_pl_group", None)
+        if group is None:
+            raise RuntimeError("not in a weight-update group")
+        pending = getattr(self, "_pl_receive", None)
+        if pending is not None and not pending.done.is_set():
+            raise RuntimeError("an update is already being received")
+        specs = [TensorSpec(n, DTYPES[d], tuple(s)) for n, d, s in req["specs"]]
+        names = [s.name for s in specs]
+        tied = bool(getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False))
+        skip_head = tied and EMBED in names  # vLLM loads a tied head through the embedding only
+        t0 = time.perf_counter()
+        loaded = 0
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal loaded
+            for i, tensor in receive_stream(group, specs, int(req.get("bucket_bytes", 0))):
+                name = names[i]
+                if name == LM_HEAD and tied:
+                    if skip_head:
+                        continue
+                    name = EMBED
+                loaded += 1
+                # a copy: the layerwise reload keeps a layer's weights until the last of them arrives, and the
+                # receive buffer is reused for a later bucket
+                yield name, tensor.clone()
+
+        self._pl_current = None  # a host copy of the weights (for partial staged updates) is out of date now
+        try:
+            self.model_runner.reload_weights(weights_iterator=weights())
+        except Exception:
+            log.exception("a streamed weight update failed midway; the layers not rebuilt keep their old weights")
+            _restore_unfinished_layers(self.model_runner.get_model())
+            raise
+        _refresh_tied_heads(self.model_runner.get_model())
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the reload's copies are done before generation resumes
+        return {"switch_s": time.perf_counter() - t0, "loaded": loaded}
+
     def pipelinerl_receive_status(self) -> dict:
         receive = getattr(self, "_pl_receive", None)
         if receive is None:
@@ -197,8 +273,8 @@ class PipelineRLWorkerExtension:
                 if receive.apply:
                     tensors = receive_tensors(group, specs, bucket_bytes,
                                               self._pl_staging(group, specs, bucket_bytes))
-                else:  # drained into host memory, so a refused update never takes GPU memory
-                    receive_tensors(group, specs, bucket_bytes, wire_buffers(specs, bucket_bytes, "cpu"))
+                else:  # drained bucket by bucket: a refused update takes two buckets of memory, not the update
+                    drain(group, specs, bucket_bytes)
                     tensors = None
             if tensors is not None:
                 # Worked out here rather than at the switch: copies for a partial update stay out of the pause
@@ -347,6 +423,24 @@ class _PageLocked:
         cudart = torch.cuda.cudart()
         for p in self.ptrs:
             cudart.cudaHostUnregister(p)
+
+
+def _restore_unfinished_layers(model: torch.nn.Module) -> None:
+    """After a layerwise reload that stopped midway (vllm/model_executor/model_loader/reload/layerwise.py, 0.32):
+    every layer still waiting for weights gets its kernel tensors (its old weights) back, as vLLM's own
+    finalisation does for a layer that loaded nothing, instead of being rebuilt from part of its weights."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    for layer in model.modules():
+        info = layerwise.get_layerwise_info(layer)
+        if not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+    layerwise.LOADING_LAYERS.clear()
 
 
 def _refresh_tied_heads(model: torch.nn.Module) -> None:
