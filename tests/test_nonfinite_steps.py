@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
-# the faults, one a step, on rank 1 only; step 0 and the last step are clean
+FAULT_RANK_ENV = "NONFINITE_TEST_FAULT_RANK"  # the rank the faults are injected on (the worker reads it)
+# the faults, one a step, on one rank only; step 0 and the last step are clean
 FAULTS = ["none", "nan_loss", "inf_loss_finite_grads", "none"]
 CRITIC_FAULTS = ["none", "critic_inf_loss_finite_grads", "none"]
 
@@ -56,22 +57,26 @@ def toy_batch(i: int) -> list[Sample]:
             sample("g1", [8, 9], [30 + i % 4], 0.3), sample("g1", [8, 9], [40, 41], 0.9)]
 
 
-def launch(mode: str, model_dir: Path, engine_url: str, tmp_path: Path) -> list[dict]:
-    """Two trainer processes running `worker(mode)`; each rank's record."""
+def launch(mode: str, model_dir: Path, engine_url: str, tmp_path: Path, processes: int = 2) -> list[dict]:
+    """Trainer processes running `worker(mode)` (the faults on the last of them); each rank's record. On a
+    machine without a GPU they train on the CPU over gloo; with one, `processes=1` trains on GPU 0."""
     script = [str(Path(__file__).resolve()), mode, str(model_dir), engine_url, str(tmp_path)]
     if mode.startswith("zero3"):
         config = "deepspeed_zero3_offload.yaml" if "offload" in mode else "deepspeed_zero3.yaml"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"launch/accelerate/{config}",
-               "--num_processes", "2", "--main_process_port", str(free_port()), *script]
+               "--num_processes", str(processes), "--main_process_port", str(free_port()), *script]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+               *script]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", FAULT_RANK_ENV: str(processes - 1),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
     log = tmp_path / "trainer.log"
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600)
     assert proc.returncode == 0, f"{mode} trainer exited with {proc.returncode}; log: {log}\n{tail(log, 40)}"
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(processes)]
 
 
 @pytest.fixture
@@ -185,7 +190,7 @@ def _inject(trainer, fault: str, rank: int):
     """Patch this rank's loss for one step to be `fault`; returns the undo."""
     import pipelinerl.trainer.critic as critic_module
 
-    if rank != 1 or fault == "none":
+    if rank != int(os.environ.get(FAULT_RANK_ENV, "1")) or fault == "none":
         return lambda: None
     if fault.startswith("critic"):
         original = critic_module.value_loss
@@ -242,6 +247,7 @@ def worker(mode: str, model_dir: str, engine_url: str, out: str) -> None:
                 checksums.append(httpx.get(f"{engine_url}/v1/weights/checksum").json()["checksums"])
     result = {"steps": steps, "engine_checksums": checksums, "is_zero3": trainer.is_zero3,
               "dtype": str(next(trainer.model.parameters()).dtype),
+              "device": str(trainer.accelerator.device),
               "final_shard_sums": [_shard_digest(trainer.model)[1]]}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     if group is not None and rank == 0:

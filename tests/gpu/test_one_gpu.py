@@ -71,3 +71,17 @@ def test_ppo_with_a_critic_under_zero3_on_one_gpu(tmp_path):
     zero_value_loss = [0.5 * (r["critic_returns_var"] + r["critic_returns_mean"] ** 2) for r in rows]
     assert rows[-1]["critic_loss"] < 0.9 * zero_value_loss[-1], [(r["critic_loss"], z) for r, z in
                                                                   zip(rows, zero_value_loss)]
+
+
+def test_a_nonfinite_step_under_zero3_in_bf16_on_a_gpu_is_skipped(gpu_model_dir, tmp_path):
+    """tests/test_nonfinite_steps.py's ZeRO-3 check on CUDA: one trainer process (DeepSpeed's bf16 path on a GPU),
+    a NaN loss at step 1 and an inf loss with finite gradients at step 2, each skipped with the weights and what the
+    engine beside it holds unchanged."""
+    from test_nonfinite_steps import FAULTS, check_engine, check_skips, launch
+
+    with engine_on_gpu(gpu_model_dir, tmp_path / "engine.log", gpu=0,
+                       extra=["--max-model-len", "64", "--max-running-seqs", "8"]) as engine:
+        ranks = launch("zero3", gpu_model_dir, engine.url, tmp_path, processes=1)
+        assert ranks[0]["is_zero3"] and ranks[0]["dtype"] == "torch.bfloat16" and ranks[0]["device"] == "cuda:0"
+        check_skips(ranks, FAULTS)
+        check_engine(ranks, FAULTS, engine)

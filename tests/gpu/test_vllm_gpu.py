@@ -119,11 +119,12 @@ def _join(client: EngineClient, backend: str, ranks_per_engine: int):
 
 
 @pytest.mark.skipif(GPUS < 2, reason="NCCL needs a GPU for the trainer and another for the engine")
-@pytest.mark.parametrize("staging", ["gpu", "cpu"])
+@pytest.mark.parametrize("staging", ["gpu", "cpu", "stream"])
 def test_nccl_update_while_generating_is_exact(tmp_path, staging):
-    """Over NCCL, staged on the engine's GPU (received in place) or in page-locked host memory: the update lands
-    between two steps of a running generation, and pushing the original weights back gives the original
-    generation again, bit for bit."""
+    """Over NCCL, staged on the engine's GPU (received in place), in page-locked host memory, or streamed into the
+    weights while generation pauses (what an update too large to stage on the GPU gets): the update lands between
+    two steps of a running generation, and pushing the original weights back gives the original generation again,
+    bit for bit."""
     model = _model(tmp_path)
     ref = Reference(str(model))
     new = ref.perturbed(seed=2)
@@ -143,7 +144,10 @@ def test_nccl_update_while_generating_is_exact(tmp_path, staging):
         finally:
             group.destroy()
     staged = [line for line in log.read_text().splitlines() if "staging weight updates" in line]
-    assert staged and all(("GiB on cuda" in line) == (staging == "gpu") for line in staged), staged
+    if staging == "stream":
+        assert not staged and "streamed weight update failed" not in log.read_text(), staged
+    else:
+        assert staged and all(("GiB on cuda" in line) == (staging == "gpu") for line in staged), staged
 
 
 @pytest.mark.skipif(GPUS < 2, reason="tensor parallel 2 needs two GPUs for the engine")
