@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 # order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
-.PHONY: install pins run compare compare-algorithms compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-7b run-32b
+.PHONY: install pins run compare compare-algorithms compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-1gpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -109,6 +109,14 @@ run-7b:
 	  echo "where every process goes and the memory each GPU needs, on any machine."; exit 2; fi
 	$(MAKE) --no-print-directory install install-vllm $(RUN_DATA)
 	$(BIN)/pipelinerl run recipes/orz_7b.yaml $(ARGS)
+
+# Qwen2.5-0.5B on one GPU of 48 GB or more, trainer and a vLLM engine sharing it (ORZ's one-GPU setting).
+run-1gpu:
+	@n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); if [ "$$n" -lt 1 ]; then \
+	  echo "make run-1gpu: recipes/orz_1gpu.yaml needs a GPU of 48 GB or more; this machine has none."; \
+	  echo "'make install && .venv/bin/pipelinerl plan recipes/orz_1gpu.yaml' prints the memory it needs."; exit 2; fi
+	$(MAKE) --no-print-directory install install-vllm $(RUN_DATA)
+	$(BIN)/pipelinerl run recipes/orz_1gpu.yaml $(ARGS)
 
 # Qwen2.5-32B on 4 nodes of 8 GPUs, submitted to SLURM. The venv is built here with the GPU build (GPU=1: CUDA torch
 # and vLLM's GPU wheel install on a login node without GPUs) on the filesystem the nodes share, with the data; the

@@ -253,3 +253,66 @@ def test_make_run_32b_refuses_a_venv_built_on_a_login_node(repo, node, tmp_path_
     assert "is a CPU build (this venv was made on a machine without GPUs)" in done.stderr
     assert "make install GPU=1" in done.stderr
     assert not [c for c in standins.calls(slurm) if c["tool"] == "sbatch"]  # nothing was submitted
+
+
+# --- 4. every recipe's make target installs what its engine needs; flash-attn never compiles -------------------
+
+
+RECIPE_TARGETS = {"tiny_cpu.yaml": "run", "orz_cpu.yaml": "run-orz-cpu", "orz_1gpu.yaml": "run-1gpu",
+                  "orz_7b.yaml": "run-7b", "orz_32b.yaml": "run-32b"}
+
+
+def test_every_recipe_with_a_make_target_installs_its_engine(repo, node):
+    from pipelinerl.config import load_config
+
+    for recipe, target in RECIPE_TARGETS.items():
+        kind = load_config(ROOT / "recipes" / recipe).engine.kind
+        done = run(["make", "-n", target, f"VENV={node['venv']}"], repo, env_of(node))
+        assert done.returncode == 0, (target, done.stdout + done.stderr)
+        assert f"recipes/{recipe}" in done.stdout, target
+        assert ('"vllm==0.32.0"' in done.stdout) == (kind == "vllm"), (target, kind)
+
+
+def test_flash_attn_is_installed_from_its_wheel_or_skipped_in_one_line(monkeypatch, tmp_path, capsys):
+    import http.server
+    import threading
+
+    from pipelinerl import gpu_setup
+
+    build = gpu_setup.TorchBuild("2.13.0", "13.0", True)
+    assert gpu_setup.flash_attn_wheel(build, "cp311", "x86_64") == \
+        "flash_attn-2.8.3+cu13torch2.13cxx11abiTRUE-cp311-cp311-linux_x86_64.whl"
+    with pytest.raises(ValueError, match="CPU build"):
+        gpu_setup.flash_attn_wheel(gpu_setup.TorchBuild("2.13.0+cpu", None, True))
+    monkeypatch.setattr(gpu_setup.TorchBuild, "installed", classmethod(lambda cls: build))
+    record = tmp_path / "installed.txt"
+    installer = f"{sys.executable} -c \"import sys; open('{record}', 'w').write(sys.argv[-1])\""
+
+    # no such wheel (the release's 404): one line, exit 0, nothing installed
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == f"/v{gpu_setup.FLASH_ATTN_VERSION}/{gpu_setup.flash_attn_wheel(build)}":
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"PK-wheel")
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        monkeypatch.setenv(gpu_setup.FLASH_ATTN_URL_ENV, base + "/missing/{wheel}")
+        assert gpu_setup.install_flash_attn(installer) == 0
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and "flash-attn skipped: no prebuilt wheel" in out and "HTTP 404" in out
+        assert "the trainer uses sdpa" in out and not record.exists()
+        monkeypatch.setenv(gpu_setup.FLASH_ATTN_URL_ENV, base + "/v{version}/{wheel}")
+        assert gpu_setup.install_flash_attn(installer) == 0
+        assert record.read_text().endswith(gpu_setup.flash_attn_wheel(build))  # the downloaded wheel, installed
+        assert "flash-attn installed from" in capsys.readouterr().out
+    finally:
+        server.shutdown()
