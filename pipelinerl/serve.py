@@ -71,6 +71,8 @@ def load_model(path: str, dtype: str = "float32", device: str | None = None):
 
 
 GIL_SWITCH_INTERVAL_S = 0.0002
+SHUTDOWN_GRACE_S = 5.0  # see run_server
+EXIT_DEADLINE_S = 10.0  # see exit_deadline
 
 
 def build_app(args: argparse.Namespace):
@@ -167,4 +169,28 @@ def run_server(app, args: argparse.Namespace, banner: str) -> None:
         with open(tmp, "w") as f:
             f.write(str(port))
         os.replace(tmp, args.port_file)  # readers never see a half-written number
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    # On SIGTERM uvicorn stops listening, then waits for the requests in flight: at most SHUTDOWN_GRACE_S, after
+    # which they are cancelled (a client's long generation, a weight update whose trainer is gone), so that the
+    # engine's own shutdown runs and the process ends in bounded time
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    app.router.on_shutdown.insert(0, exit_deadline)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def exit_deadline(deadline_s: float | None = None) -> None:
+    """From the start of the shutdown, the process has `deadline_s` (EXIT_DEADLINE_S) to end by itself; then it
+    ends anyway. What the shutdown waits for is bounded, but a thread stuck in a C++ call (a rendezvous that keeps
+    retrying, a broadcast whose peer is gone) is joined at the interpreter's exit and could hold it for minutes."""
+    import threading
+
+    seconds = EXIT_DEADLINE_S if deadline_s is None else deadline_s
+
+    def force() -> None:
+        log.warning("still running %g s after the shutdown began (a thread stuck in a transfer or a rendezvous); "
+                    "exiting now", seconds)
+        logging.shutdown()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()

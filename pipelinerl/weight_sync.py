@@ -246,6 +246,57 @@ def init_weight_update_group(
     return group
 
 
+JOIN_GRACE_S = 5.0  # how long past its `timeout_s` a bounded join may take to answer
+
+
+def join_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
+                             backend: str = "gloo", group_name: str = "weight_update", timeout_s: float = 120.0,
+                             grace_s: float = JOIN_GRACE_S) -> WeightUpdateGroup:
+    """`init_weight_update_group` for a member that must answer in bounded time (an engine's `init_group`): it
+    returns, or raises, within `timeout_s` + `grace_s` however the rendezvous fails.
+
+    Why: torch's TCPStore client retries a refused or unreachable address with backoff delays that run past the
+    timeout it is given (68-79 s were seen past a 120 s one), and a peer that accepts and never answers (half open)
+    or answers something else holds it longer still. The join runs on a daemon thread; past the deadline it is
+    abandoned (`WeightSyncTimeout`), and the group it may still make later is destroyed at once, so the caller
+    is left as it was. A daemon thread never holds up the process's exit."""
+    lock, done = threading.Lock(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            group = init_weight_update_group(master_address, master_port, rank, world_size, backend, group_name,
+                                             timeout_s)
+        except BaseException as e:  # noqa: BLE001 (handed to the caller)
+            with lock:
+                outcome["error"] = e
+        else:
+            with lock:
+                abandoned = outcome.get("abandoned", False)
+                outcome["group"] = group
+            if abandoned:
+                log.warning("a join of weight-update group %r that was given up on finished late; leaving it",
+                            group_name)
+                group.destroy()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="pipelinerl-join", daemon=True).start()
+    if not done.wait(timeout_s + grace_s):
+        with lock:
+            outcome["abandoned"] = True
+            late = outcome.get("group")
+        if late is not None:  # finished while the deadline passed
+            late.destroy()
+        raise WeightSyncTimeout(f"rank {rank} could not join weight-update group {group_name!r} at "
+                                f"{master_address}:{master_port} within timeout_s={timeout_s:g} (the rendezvous "
+                                "was refused, unreachable, or answered by something else, or a member never came); "
+                                "check that the trainer is up at that address and port")
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["group"]  # type: ignore[return-value]
+
+
 def _connect(master_address: str, master_port: int, rank: int, world_size: int,
              timeout: timedelta) -> dist.TCPStore:
     """Rank 0 hosts the store (not waiting for the others in its constructor: forming the group does, and says

@@ -337,6 +337,30 @@ def test_streamed_updates_pass_the_conformance_suite_and_refuse_a_partial_one(vl
 
 
 @needs_vllm
+def test_a_join_that_cannot_form_ends_within_its_timeout_while_vllm_generates(engine):
+    """init_group against a refused and a half-open rendezvous: 504 within timeout_s and a few seconds, and vLLM's
+    engine loop, which the join no longer runs in, generates meanwhile."""
+    from test_control_routes import BOUND_S, init_group, peer
+
+    prompt = [5, 6, 67, 7, 8, 71]
+    before = engine.generate(prompt, temperature=0, max_new_tokens=12, ignore_eos=True).completions[0]
+    for kind in ("refused", "half_open"):
+        with peer(kind) as (address, port):
+            answers: dict = {}
+
+            def join(answers: dict = answers, address: str = address, port: int = port) -> None:
+                answers["join"] = init_group(engine.url, address, port)
+
+            joining = threading.Thread(target=join)
+            joining.start()
+            during = engine.generate(prompt, temperature=0, max_new_tokens=12, ignore_eos=True).completions[0]
+            joining.join()
+        resp, took = answers["join"]
+        assert resp.status_code == 504 and took < BOUND_S, (kind, took, resp.text)
+        assert during.token_ids == before.token_ids and engine.info().weight_group is None
+
+
+@needs_vllm
 def test_stop_strings_inside_multi_character_tokens(vllm_imports, tmp_path):
     """vLLM's own stop strings (`include_stop_str_in_output`) on a tokenizer whose tokens are mostly several
     characters: the conformance check picks one ending inside a token, and vLLM's tokens already agree with the

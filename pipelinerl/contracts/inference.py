@@ -44,6 +44,21 @@ Number = Annotated[float, Strict(), AllowInfNan(False)]
 # Bounded: torch's generators take seeds below 2**64 (an engine adds the sample index to the request's seed), and
 # this is the largest integer that every JSON parser, and the schema's `maximum`, carry exactly.
 MAX_SEED = 2**53 - 1
+# Every other integer a request carries is bounded too, so that an engine can hold it in the integer types its
+# kernels use: token ids and top_k in int32 (vLLM's sampler, embedding indices), a weight version in a JSON-exact
+# integer. A value past one of these is refused at the edge, before it reaches a batch it could break.
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_K = 2**31 - 1
+MAX_VERSION = 2**53 - 1
+MAX_PROMPT_TOKENS = 2**20
+MAX_PROMPT_CHARS = 2**22  # a text prompt of /v1/completions: tokenizing more would hold up the other requests
+MAX_DIM = 2**31 - 1
+MAX_PARAMS = 2**20  # parameters in one update
+MAX_BUCKET_BYTES = 2**40
+MAX_RANKS = 2**20
+MAX_NAME_CHARS = 256
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_ID)]
+PromptText = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
 # Temperatures this close to 0 are greedy decoding, as in vLLM (its _SAMPLING_EPS): logits divided by one overflow
 # float32 (below ~1e-38 the divisor itself is subnormal and the log-probs come out NaN)
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -71,9 +86,10 @@ class SamplingParams(_Strict):
 
     temperature: Number = Field(1.0, ge=0.0, le=100.0, description="0 (or below 1e-5): greedy")
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=0, description="0 disables top-k")
+    top_k: StrictInt = Field(0, ge=0, le=MAX_TOP_K,
+                             description="0 disables top-k; the vocabulary's size or more keeps every token too")
     max_new_tokens: StrictInt = Field(16, ge=1, le=1_000_000)
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
                                    description="stop strings, matched in the decoded generated text; the token "
                                                "that completes one is kept (needs an engine with a tokenizer)")
@@ -89,9 +105,9 @@ class SamplingParams(_Strict):
 
 
 class GenerateRequest(_Strict):
-    prompt_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(min_length=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    request_id: str | None = Field(None, max_length=256, description="for /v1/abort; generated if absent")
+    request_id: str | None = Field(None, max_length=MAX_NAME_CHARS, description="for /v1/abort; generated if absent")
 
 
 class Completion(_Strict):
@@ -117,12 +133,13 @@ class InitWeightUpdateGroupRequest(_Strict):
     joins the group itself.
     """
 
-    master_address: str = Field(min_length=1)
+    master_address: str = Field(min_length=1, max_length=253)  # a host name or an address
     master_port: StrictInt = Field(ge=1, le=65535)
-    rank_offset: StrictInt = Field(ge=1)
-    world_size: StrictInt = Field(ge=2, description="more than rank_offset: the engine's ranks are in the group")
+    rank_offset: StrictInt = Field(ge=1, le=MAX_RANKS)
+    world_size: StrictInt = Field(ge=2, le=MAX_RANKS + 1,
+                                  description="more than rank_offset: the engine's ranks are in the group")
     backend: Literal["nccl", "gloo"] = "nccl"
-    group_name: str = Field("weight_update", min_length=1)
+    group_name: str = Field("weight_update", min_length=1, max_length=MAX_NAME_CHARS)
     # bounded: a day is ample, and not every float is a duration (a timedelta overflows past ~8.6e13 s)
     timeout_s: Number = Field(120.0, gt=0, le=86_400.0)
 
@@ -136,9 +153,9 @@ class InitWeightUpdateGroupRequest(_Strict):
 
 
 class ParamSpec(_Strict):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=1024)
     dtype: DType
-    shape: list[Annotated[StrictInt, Field(ge=0)]]
+    shape: list[Annotated[StrictInt, Field(ge=0, le=MAX_DIM)]] = Field(max_length=8)
 
 
 class UpdateWeightsRequest(_Strict):
@@ -151,10 +168,11 @@ class UpdateWeightsRequest(_Strict):
     refused with 4xx after the broadcast is drained, leaving the weights exactly as they were.
     """
 
-    version: StrictInt = Field(ge=0)
-    params: list[ParamSpec] = Field(min_length=1)
-    group_name: str = Field("weight_update", min_length=1)
-    bucket_bytes: StrictInt = Field(0, ge=0, description="0: one broadcast per tensor; >0: packed byte buckets")
+    version: StrictInt = Field(ge=0, le=MAX_VERSION)
+    params: list[ParamSpec] = Field(min_length=1, max_length=MAX_PARAMS)
+    group_name: str = Field("weight_update", min_length=1, max_length=MAX_NAME_CHARS)
+    bucket_bytes: StrictInt = Field(0, ge=0, le=MAX_BUCKET_BYTES,
+                                    description="0: one broadcast per tensor; >0: packed byte buckets")
 
 
 class UpdateWeightsResponse(_Strict):
@@ -172,7 +190,8 @@ class WeightsChecksumResponse(_Strict):
 
 
 class AbortRequest(_Strict):
-    request_id: str | None = Field(None, description="the request to abort; all running requests if absent")
+    request_id: str | None = Field(None, max_length=MAX_NAME_CHARS,
+                                   description="the request to abort; all running requests if absent")
 
 
 class AbortResponse(_Strict):
@@ -223,15 +242,15 @@ class CompletionsRequest(BaseModel):
     """The subset of OpenAI's /v1/completions that the engines serve; unknown OpenAI options are ignored."""
 
     model: str | None = None
-    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    prompt: PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=1024)]
     max_tokens: StrictInt = Field(16, ge=1, le=1_000_000)
     temperature: Number = Field(1.0, ge=0.0, le=100.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=0)
+    top_k: StrictInt = Field(0, ge=0, le=MAX_TOP_K)
     n: StrictInt = Field(1, ge=1, le=1024)
     seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=1)] | None = None
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list, max_length=1024)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
                                    json_schema_extra=_one_string_a_list_or_null,
                                    description="stop strings: one string or a list (OpenAI style); the text ends at "

@@ -99,6 +99,13 @@ def check_generate(req: GenerateRequest, vocab_size: int, max_model_len: int, ma
     return min(params.max_new_tokens, max_model_len - len(prompt))
 
 
+def effective_top_k(top_k: int, vocab_size: int) -> int:
+    """The contract's top_k as an engine applies it: 0 (off) for 0 and for any value of the vocabulary's size or
+    more, which keep every token alike (the engines' samplers hold top_k in int32 and some bound it by the
+    vocabulary)."""
+    return 0 if top_k >= vocab_size else top_k
+
+
 def check_update(params: Sequence[ParamSpec], model: dict[str, tuple[str, list[int]]]) -> tuple[str, str] | None:
     """(field, message) of the first mismatch between an update and the model, or None (as the embedded
     engine words it)."""

@@ -77,6 +77,9 @@ class _Request:
     seqs: list[_Seq] = field(default_factory=list)
     aborted: bool = False
     done_count: int = 0
+    # admitted alone: its admission with others failed, so it is tried by itself (see `_isolate`)
+    alone: bool = False
+    error: ContractError | None = None  # set when this request alone broke a step: answered with it
 
 
 @dataclass(eq=False)
@@ -219,6 +222,7 @@ class EmbeddedEngine:
             stop |= self.eos_ids
         # check_generate refused stop strings without a tokenizer
         stop_strings = StopStrings(params.stop, self._stop_tokenizer) if params.stop else None
+        _probe_sampling(params)
         loop = asyncio.get_running_loop()
         return _Request(id=req.request_id or uuid.uuid4().hex, prompt=list(prompt), params=params, max_new=max_new,
                         stop=frozenset(stop), stop_strings=stop_strings, loop=loop, future=loop.create_future())
@@ -387,6 +391,10 @@ class EmbeddedEngine:
                 self._admit()
                 if self._running:
                     self._decode_step()
+            except _AdmissionFailed as e:  # one of the requests admitted together may be the cause: find it
+                log.warning("admitting %d request(s) failed (%s: %s); admitting them one at a time",
+                            len(e.batch), type(e.__cause__).__name__, e.__cause__)
+                self._isolate(e.batch, e.__cause__)
             except Exception as e:  # keep serving: fail what was in flight, reset, go on
                 log.exception("engine step failed")
                 self._fail_all(e)
@@ -460,28 +468,51 @@ class EmbeddedEngine:
         self._retire(finished)
 
     def _admit(self) -> None:
-        """Admit the queued requests that fit, prefilling their prompts together."""
+        """Admit the queued requests that fit, prefilling their prompts together. A failure before the new
+        sequences produced their first token is raised as `_AdmissionFailed`, with the running batch as it was."""
         batch = self._take_admissible()
         if not batch:
             return
         first = len(self._running)
         heads, seqs = [], []
-        for req in batch:
-            head = first + len(seqs)
-            heads.append(head)
-            req.seqs = [_Seq(req, head + i, -1, self._generator(req.params, i),
-                             watch=req.stop_strings.watch() if req.stop_strings else None) for i in range(req.params.n)]
-            seqs.extend(req.seqs)
-        logits = self.runner.prefill_batch(heads, [req.prompt for req in batch])
-        self.metrics.admissions += 1
-        for req, head in zip(batch, heads):
-            for i in range(1, req.params.n):
-                copy_slot(self.runner, head, head + i, len(req.prompt))
+        try:
+            for req in batch:
+                head = first + len(seqs)
+                heads.append(head)
+                req.seqs = [_Seq(req, head + i, -1, self._generator(req.params, i),
+                                 watch=req.stop_strings.watch() if req.stop_strings else None)
+                            for i in range(req.params.n)]
+                seqs.extend(req.seqs)
+            logits = self.runner.prefill_batch(heads, [req.prompt for req in batch])
+            self.metrics.admissions += 1
+            for req, head in zip(batch, heads):
+                for i in range(1, req.params.n):
+                    copy_slot(self.runner, head, head + i, len(req.prompt))
+            counts = torch.tensor([req.params.n for req in batch], device=logits.device)
+            tokens, logprobs = sample_batch(logits.repeat_interleave(counts, dim=0), self._sampling(seqs))
+        except Exception as e:
+            # nothing of these requests is running yet: the slots they prefilled are free again
+            for req in batch:
+                req.seqs = []
+            self._reserved_tokens -= sum(r.params.n * (len(r.prompt) + r.max_new) for r in batch)
+            raise _AdmissionFailed(batch) from e
         self._running.extend(seqs)
         self._batch = None
-        counts = torch.tensor([req.params.n for req in batch], device=logits.device)
-        tokens, logprobs = sample_batch(logits.repeat_interleave(counts, dim=0), self._sampling(seqs))
         self._append(seqs, tokens.tolist(), logprobs.tolist())
+
+    def _isolate(self, batch: list[_Request], error: BaseException) -> None:
+        """After an admission failed: a request that failed alone is answered with the error; the others go back to
+        the front of the queue, each to be admitted alone, so that one request's parameters never fail another's."""
+        if len(batch) == 1 and batch[0].alone:
+            req = batch[0]
+            req.error = ContractError(500, f"this request could not be served: {type(error).__name__}: {error}",
+                                      type="engine_error")
+            self._finish_request(req)
+            return
+        with self._cv:
+            for req in reversed(batch):
+                req.alone = True
+                self._waiting.appendleft(req)
 
     def _take_admissible(self) -> list[_Request]:
         """Pop the queued requests that fit the running limits, in order, and reserve their tokens."""
@@ -494,6 +525,8 @@ class EmbeddedEngine:
                 need = req.params.n * (len(req.prompt) + req.max_new)
                 if running + req.params.n > s.max_running_seqs or (
                         running and self._reserved_tokens + need > s.max_batch_tokens):
+                    break
+                if batch and (req.alone or batch[0].alone):  # being isolated after a failed admission
                     break
                 self._waiting.popleft()
                 self._reserved_tokens += need
@@ -526,11 +559,42 @@ class EmbeddedEngine:
         t0 = time.perf_counter()
         batch = self._decode_batch()
         logits = self.runner.decode(batch.tokens, batch.positions, batch.span)
-        tokens, logprobs = sample_batch(logits, batch.sampling)
+        try:
+            tokens, logprobs = sample_batch(logits, batch.sampling)
+        except Exception as e:  # per-row parameters broke the batched sampling: sample row by row, fail the bad
+            self._sample_each(logits, e)
+            return
         batch.advance(tokens)
         self.metrics.decode_steps += 1  # before `_append` answers finished requests
         self._append(self._running, tokens.tolist(), logprobs.tolist())  # a retirement drops the batch
         self.metrics.decode_seconds += time.perf_counter() - t0
+
+    def _sample_each(self, logits: torch.Tensor, error: Exception) -> None:
+        """A decode step whose batched sampling failed: each sequence sampled alone; one that fails alone ends its
+        request with the error, the others take their tokens as the step would have given them."""
+        log.warning("sampling a decode step of %d sequences failed (%s: %s); sampling them one at a time",
+                    len(self._running), type(error).__name__, error)
+        good, tokens, logprobs, bad = [], [], [], {}
+        for i, seq in enumerate(self._running):
+            try:
+                t, lp = sample_batch(logits[i:i + 1], self._sampling([seq]))
+            except Exception as e:
+                bad.setdefault(id(seq.req), (seq.req, e))
+                continue
+            good.append(seq)
+            tokens.append(int(t[0]))
+            logprobs.append(float(lp[0]))
+        self.metrics.decode_steps += 1
+        self._batch = None
+        failed = {id(r) for r, _ in bad.values()}
+        keep = [(s, t, lp) for s, t, lp in zip(good, tokens, logprobs) if id(s.req) not in failed]
+        self._append([s for s, _, _ in keep], [t for _, t, _ in keep], [lp for _, _, lp in keep])
+        for req, e in bad.values():
+            req.error = ContractError(500, f"this request could not be sampled: {type(e).__name__}: {e}",
+                                      type="engine_error")
+            for seq in req.seqs:
+                seq.finish = seq.finish or "abort"
+            self._retire([seq for seq in req.seqs if seq in self._running])
 
     def _append(self, seqs: list[_Seq], tokens: list[int], logprobs: list[float]) -> None:
         version = self.version
@@ -569,6 +633,11 @@ class EmbeddedEngine:
         self._batch = None
 
     def _finish_request(self, req: _Request) -> None:
+        if req.error is not None:
+            with self._cv:
+                self._requests.pop(req.id, None)
+            req.loop.call_soon_threadsafe(_reject, req.future, req.error)
+            return
         # model_construct: the engine built these lists itself, validating them again is engine-thread time
         completions = [Completion.model_construct(token_ids=s.tokens, logprobs=s.logprobs, versions=s.versions,
                                                   finish_reason=s.finish or "abort") for s in req.seqs]
@@ -594,6 +663,29 @@ class EmbeddedEngine:
         for r in reqs:
             err = ContractError(500, f"engine step failed: {type(error).__name__}: {error}", type="engine_error")
             r.loop.call_soon_threadsafe(_reject, r.future, err)
+
+
+class _AdmissionFailed(Exception):
+    """Admitting `batch` together failed (the cause is chained); nothing of it is running."""
+
+    def __init__(self, batch: list[_Request]):
+        super().__init__(f"admitting {len(batch)} request(s) failed")
+        self.batch = batch
+
+
+def _probe_sampling(params: SamplingParams) -> None:
+    """Raise the contract's 400 when this request's sampling parameters cannot be sampled with: its rows built and
+    sampled alone, on two-token logits, before the request can share a batch with anyone's."""
+    n = params.n
+    generators = [None] * n
+    if params.seed is not None:
+        generators = [torch.Generator().manual_seed(params.seed + i) for i in range(n)]
+    try:
+        probe = SamplingBatch.of([params.temperature] * n, [params.top_k] * n, [params.top_p] * n, generators)
+        sample_batch(torch.zeros(n, 2), probe)
+    except (RuntimeError, ValueError, OverflowError, TypeError) as e:
+        raise ContractError(400, f"sampling: these parameters cannot be sampled with ({type(e).__name__}: {e})",
+                            "sampling") from None
 
 
 def tensor_checksums(named: dict[str, torch.Tensor]) -> dict[str, str]:

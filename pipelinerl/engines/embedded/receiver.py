@@ -39,7 +39,7 @@ from pipelinerl.weight_sync import (
     TensorSpec,
     WeightSyncError,
     WeightUpdateGroup,
-    init_weight_update_group,
+    join_weight_update_group,
     receive_tensors,
 )
 
@@ -182,7 +182,7 @@ class _Process:
     def join(self, master_address: str, master_port: int, rank: int, world_size: int, backend: str,
              group_name: str, timeout_s: float) -> None:
         self.leave()
-        self.group = init_weight_update_group(master_address, master_port, rank, world_size, backend, group_name,
+        self.group = join_weight_update_group(master_address, master_port, rank, world_size, backend, group_name,
                                               timeout_s)
 
     def leave(self) -> None:
@@ -297,9 +297,13 @@ class ReceivingProcess:
             status, result = self._conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             self.process.join(timeout=5)
-            raise ReceiverDied(self._died()) from None
-        finally:
             self._calling = False
+            raise ReceiverDied(self._died()) from None
+        except BaseException:
+            # cancelled (a deadline, the server shutting down) with the command still running there: the process
+            # stays marked busy, so that `close` kills it rather than wait for an answer that may never come
+            raise
+        self._calling = False
         if status == "sync_error":
             raise WeightSyncError(result)
         if status == "error":
@@ -308,6 +312,11 @@ class ReceivingProcess:
             self._storages.update(result.new)
             result.new = {}
         return result
+
+    @property
+    def busy(self) -> bool:
+        """A command was sent and its answer not read (the call was cancelled): the process may be in it still."""
+        return self._calling
 
     def tensors(self, received: Received) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """The engine's views of where an update was received: (storage number -> its spare, slot -> copy)."""

@@ -35,10 +35,12 @@ from pipelinerl.engines.embedded.spare_weights import SpareWeights
 from pipelinerl.engines.embedded.transpose import UpdateCopies
 from pipelinerl.engines.server import ContractError
 from pipelinerl.weight_sync import (
+    JOIN_GRACE_S,
     TensorSpec,
     WeightSyncError,
+    WeightSyncTimeout,
     WeightUpdateGroup,
-    init_weight_update_group,
+    join_weight_update_group,
     receive_tensors,
 )
 
@@ -151,7 +153,8 @@ class ThreadReceiver(UpdateReceiver):
 
     async def join(self, req: InitWeightUpdateGroupRequest) -> None:
         self.leave()
-        self.group = await asyncio.to_thread(init_weight_update_group, *_group_arguments(req))
+        # bounded (join_weight_update_group): an abandoned rendezvous never holds a thread of the server's pool
+        self.group = await asyncio.to_thread(join_weight_update_group, *_group_arguments(req))
         self.group_name = req.group_name
 
     async def drain(self, specs: list[TensorSpec], bucket_bytes: int) -> None:
@@ -220,8 +223,18 @@ class ProcessReceiver(UpdateReceiver):
             t.share_memory_()
 
     async def join(self, req: InitWeightUpdateGroupRequest) -> None:
+        """In the receiving process, which leaves its group first, bounded there (join_weight_update_group); and
+        bounded here too: a process that does not answer within the deadline is killed (it starts afresh at the
+        next call), so that nothing waits on its rendezvous, not even this engine's shutdown."""
         self.group_name = None
-        await self.call("join", *_group_arguments(req))  # the process leaves its group first
+        try:
+            await asyncio.wait_for(self.call("join", *_group_arguments(req)), req.timeout_s + 2 * JOIN_GRACE_S)
+        except asyncio.TimeoutError:
+            process, self._process = self._process, None
+            await asyncio.to_thread(process.close)
+            raise WeightSyncTimeout(f"joining weight-update group {req.group_name!r} at {req.master_address}:"
+                                    f"{req.master_port} did not finish within timeout_s={req.timeout_s:g}; the "
+                                    "receiving process was replaced") from None
         self.group_name = req.group_name
 
     async def drain(self, specs: list[TensorSpec], bucket_bytes: int) -> None:
@@ -259,6 +272,9 @@ class ProcessReceiver(UpdateReceiver):
     async def call(self, command: str, *args):
         """Run a command in the receiving process (receiver.py's `_Process`), starting it first if need be. One
         that died is replaced (and counted); the group it was in is gone with it."""
+        if self._process is not None and self._process.busy:  # a call that was cancelled midway: start afresh
+            process, self._process = self._process, None
+            await asyncio.to_thread(process.close)
         if self._process is None:
             self._process = await asyncio.to_thread(ReceivingProcess, self._setup())
         try:

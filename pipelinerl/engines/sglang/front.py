@@ -73,6 +73,7 @@ from pipelinerl.engines.common import (
     check_generate,
     check_update,
     completions_via_generate,
+    effective_top_k,
     json_body,
     param_nbytes,
     versions_from_spans,
@@ -162,7 +163,8 @@ class SGLangBackend:
         start_version, tokens = self.version, 0
         try:
             bodies = [{"rid": r, "input_ids": req.prompt_token_ids, "return_logprob": True,
-                       "sampling_params": self._sampling_params(p, max_new, i)} for i, r in enumerate(rids)]
+                       "sampling_params": self._sampling_params(p, max_new, i, self.facts.vocab_size)}
+                      for i, r in enumerate(rids)]
             responses = await asyncio.gather(*(self.http.post("/generate", json=b) for b in bodies))
             completions = [self._completion(r, start_version) for r in responses]
             if p.stop:
@@ -177,9 +179,10 @@ class SGLangBackend:
             self.metrics.request_ended(tokens)
 
     @staticmethod
-    def _sampling_params(p: SamplingParams, max_new: int, sample: int) -> dict[str, Any]:
+    def _sampling_params(p: SamplingParams, max_new: int, sample: int, vocab_size: int) -> dict[str, Any]:
         """SGLang's `sampling_params` for sample `sample` of a request (sglang/srt/sampling/sampling_params.py)."""
-        out: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k if p.top_k > 0 else -1,
+        top_k = effective_top_k(p.top_k, vocab_size) or -1  # SGLang's "off" is -1
+        out: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p, "top_k": top_k,
                                "max_new_tokens": max_new, "stop_token_ids": p.stop_token_ids,
                                "ignore_eos": p.ignore_eos}
         if p.seed is not None:

@@ -47,6 +47,7 @@ from pipelinerl.engines.common import (
     check_generate,
     check_update,
     completions_via_generate,
+    effective_top_k,
     json_body,
     param_nbytes,
     versions_from_spans,
@@ -204,8 +205,9 @@ class VLLMBackend:
         if rid in self._in_flight:
             raise ContractError(409, f"request_id {rid!r} is already running", "request_id")
         p = req.sampling
+        top_k = effective_top_k(p.top_k, self.facts.vocab_size)
         body = {"request_id": rid, "token_ids": req.prompt_token_ids, "output_mode": "tokens",
-                "sampling_params": {"n": p.n, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+                "sampling_params": {"n": p.n, "temperature": p.temperature, "top_p": p.top_p, "top_k": top_k,
                                     "seed": p.seed, "max_tokens": max_new, "stop_token_ids": p.stop_token_ids,
                                     "ignore_eos": p.ignore_eos, "logprobs": 0, "detokenize": False}}
         if p.stop:
@@ -292,7 +294,7 @@ class VLLMBackend:
         async with self._update_lock:
             self._group_name = None
             try:
-                ranks = await self._rpc("pipelinerl_init_group", req.model_dump(), timeout_s=req.timeout_s + 30)
+                ranks = await self._join(req)
             except ContractError as e:
                 raise ContractError(504, e.message, type="weight_sync_error") from None
             if len(ranks) != workers:
@@ -300,6 +302,27 @@ class VLLMBackend:
                                          "(--tensor-parallel-size)", type="weight_sync_error")
             self._group_name = req.group_name
             self._group_backend = req.backend
+
+    async def _join(self, req: InitWeightUpdateGroupRequest) -> list[dict]:
+        """Every worker's join, started on its own thread and polled (generation goes on meanwhile): their
+        `{"rank"}` once all joined, the contract's 504 within `timeout_s` (and a few seconds) when any fails or
+        does not finish, the workers then left in no group."""
+        from pipelinerl.weight_sync import JOIN_GRACE_S
+
+        ranks = await self._rpc("pipelinerl_init_group", req.model_dump(), timeout_s=60.0)
+        deadline = time.monotonic() + req.timeout_s + JOIN_GRACE_S + 1.0
+        while True:
+            statuses = await self._rpc("pipelinerl_join_status", timeout_s=60.0)
+            errors = [f"worker {i}: {st['error']}" for i, st in enumerate(statuses) if st.get("error")]
+            if errors or time.monotonic() > deadline:
+                await self._rpc("pipelinerl_abandon_join", timeout_s=60.0)
+                reason = "; ".join(errors) or (f"the join did not finish within timeout_s={req.timeout_s:g} at "
+                                               f"{req.master_address}:{req.master_port}")
+                raise ContractError(504, f"joining weight-update group {req.group_name!r} failed: {reason}",
+                                    type="weight_sync_error")
+            if all(st.get("done") for st in statuses):
+                return ranks
+            await asyncio.sleep(0.1)
 
     async def update_weights(self, req: UpdateWeightsRequest) -> UpdateWeightsResponse:
         async with self._update_lock:

@@ -59,7 +59,7 @@ from pipelinerl.weight_sync import (
     TensorSpec,
     WeightUpdateGroup,
     drain,
-    init_weight_update_group,
+    join_weight_update_group,
     receive_stream,
     receive_tensors,
     wire_buffers,
@@ -134,14 +134,31 @@ class _Receive:
         return {"done": self.done.is_set(), "error": self.error, "seconds": self.seconds}
 
 
+class _Join:
+    """A join of the weight-update group under way on a thread of the worker."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.done = threading.Event()
+        self.error: str | None = None
+        self.abandoned = False
+
+
 class PipelineRLWorkerExtension:
     """The `pipelinerl_*` methods vLLM's `/collective_rpc` calls on every worker (one per tensor-parallel rank)."""
 
     # --- group ---------------------------------------------------------------------------------------------
 
     def pipelinerl_init_group(self, payload: str) -> dict:
-        """Join the group as rank `rank_offset` + this worker's rank; returns once every member joined."""
+        """Start joining the group as rank `rank_offset` + this worker's rank, on a thread, and return at once:
+        the rendezvous may wait long on its peers (or on an address that never answers), and a collective_rpc runs
+        inside vLLM's engine loop, whose generation would stop meanwhile. The front polls
+        `pipelinerl_join_status`; the join is bounded (join_weight_update_group), and one the front gives up on is
+        left by `pipelinerl_abandon_join`."""
         req = json.loads(payload)
+        pending = getattr(self, "_pl_join", None)
+        if pending is not None and not pending.done.is_set():
+            raise RuntimeError("a join of a weight-update group is already under way")
         old = getattr(self, "_pl_group", None)
         if old is not None:
             old.destroy()
@@ -151,11 +168,41 @@ class PipelineRLWorkerExtension:
         parallel = getattr(self, "parallel_config", None)
         workers = int(getattr(parallel, "world_size", 1) or 1)
         rank = group_rank(int(req["rank_offset"]), int(getattr(self, "rank", 0)), workers, int(req["world_size"]))
-        self._pl_group = init_weight_update_group(req["master_address"], int(req["master_port"]), rank,
-                                                  int(req["world_size"]), req.get("backend", "gloo"),
-                                                  req.get("group_name", "weight_update"),
-                                                  float(req.get("timeout_s", 120.0)))
+        join = self._pl_join = _Join(rank)
+
+        def run() -> None:
+            try:
+                group = join_weight_update_group(req["master_address"], int(req["master_port"]), rank,
+                                                 int(req["world_size"]), req.get("backend", "gloo"),
+                                                 req.get("group_name", "weight_update"),
+                                                 float(req.get("timeout_s", 120.0)))
+            except Exception as e:  # reported through pipelinerl_join_status
+                join.error = f"{type(e).__name__}: {e}"
+            else:
+                if join.abandoned:
+                    group.destroy()
+                else:
+                    self._pl_group = group
+            join.done.set()
+
+        threading.Thread(target=run, name="pipelinerl-join", daemon=True).start()
         return {"rank": rank}
+
+    def pipelinerl_join_status(self) -> dict:
+        join = getattr(self, "_pl_join", None)
+        if join is None:
+            return {"done": True, "error": "no join under way", "rank": None}
+        return {"done": join.done.is_set(), "error": join.error, "rank": join.rank}
+
+    def pipelinerl_abandon_join(self) -> dict:
+        """The front gave up on the join: the group it may still make is left, and the worker is in none."""
+        join = getattr(self, "_pl_join", None)
+        if join is not None:
+            join.abandoned = True
+            if join.done.is_set() and self._pl_group is not None:
+                self._pl_group.destroy()
+            self._pl_group = None
+        return {}
 
     def pipelinerl_leave_group(self) -> dict:
         group = getattr(self, "_pl_group", None)
