@@ -935,6 +935,16 @@ def run_suite(url: str, model: str, only: Sequence[str] | None = None, settings:
 
 
 def main(args: argparse.Namespace) -> int:
+    from urllib.parse import urlsplit
+
+    from pipelinerl.cli_args import model_directory
+
+    parts = urlsplit(args.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        print(f"pipelinerl conformance: --url {args.url!r}: must be an engine's base URL such as "
+              "http://127.0.0.1:8100", file=sys.stderr)
+        return 2
+    args.model = model_directory(args.model)
     only = [n for n in args.only.split(",") if n]
     unknown = set(only) - {n for n, _ in Suite.CHECKS}
     if unknown:

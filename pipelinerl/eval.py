@@ -243,9 +243,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from pipelinerl.cli_args import model_directory
     from pipelinerl.engines.client import EngineClient
     from pipelinerl.procs import engine_command, start_process, stop_process, tail, wait_for_port
 
+    args.model = model_directory(args.model)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     task, problems = _load_problems(args)
     out_dir = Path(args.out or args.model)

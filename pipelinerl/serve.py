@@ -9,6 +9,7 @@ import socket
 import sys
 
 from pipelinerl.auth import ApiKeyMiddleware, serve_api_key
+from pipelinerl.cli_args import model_directory, non_negative_int, port_number, positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -24,14 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the PIPELINERL_API_KEY environment variable; none: no key")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="serve on a non-loopback --host without a key (only on a network you trust)")
-    p.add_argument("--port", type=int, default=8100, help="0: any free port (see --port-file)")
+    p.add_argument("--port", type=port_number, default=8100, help="0: any free port (see --port-file)")
     p.add_argument("--port-file", default=None,
                    help="write the port listened on to this file once bound (how a launcher learns a free port)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-running-seqs", type=int, default=64, help="sequences decoded together")
-    p.add_argument("--max-batch-tokens", type=int, default=16384, help="KV-cache tokens of running sequences")
-    p.add_argument("--max-model-len", type=int, default=512, help="prompt + generated tokens per sequence")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--max-running-seqs", type=positive_int, default=64, help="sequences decoded together")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=16384, help="KV-cache tokens of running sequences")
+    p.add_argument("--max-model-len", type=positive_int, default=512, help="prompt + generated tokens per sequence")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--decode-cpus", default=None, metavar="LIST",
                    help="embedded engine on CPU: run decoding on these CPUs (e.g. 0 or 0-3) and receive weight "
                         "updates on the others, so that updates do not take the decoding's cores")
@@ -45,10 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="embedded engine: receive weight updates in a process of its own, the weights in shared "
                         "memory (process: no GIL shared with decoding; CPU only), or on a thread of the server "
                         "(thread). auto: a process on CPU, a thread on GPU")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="vllm, sglang: workers (GPUs) per engine, each a rank of the weight-update group")
-    p.add_argument("--initial-version", type=int, default=0, help="weight version of the loaded weights")
-    p.add_argument("--start-timeout-s", type=float, default=900.0,
+    p.add_argument("--initial-version", type=non_negative_int, default=0, help="weight version of the loaded weights")
+    p.add_argument("--start-timeout-s", type=positive_float, default=900.0,
                    help="vllm, sglang: seconds the engine behind the front may take to load the model and answer its "
                         "health check (a launcher passes engine.start_timeout_s)")
     p.add_argument("--log-level", default="warning")
@@ -123,6 +124,7 @@ def main(args: argparse.Namespace) -> None:
         args.api_key = serve_api_key(args.api_key_file, args.host, args.allow_unauthenticated)
     except ValueError as e:
         raise SystemExit(f"--api-key-file: {e}") from None
+    args.model = model_directory(args.model)  # a missing or malformed model: one line, before anything starts
     if args.engine == "vllm":
         from pipelinerl.engines.vllm import serve as serve_vllm
 
