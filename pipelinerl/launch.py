@@ -770,7 +770,8 @@ def run_main_node(cfg: RunConfig, plan: NodePlan) -> int:
     except StreamBackendError as e:
         print(f"pipelinerl: {e}", file=sys.stderr)
         return 2
-    rendezvous = NodeRendezvous(node) if node.multi_node else None
+    # the store's values are signed with the run's key, which the launcher makes below (before any value is set)
+    rendezvous = NodeRendezvous(node, key=lambda: os.environ[API_KEY_ENV]) if node.multi_node else None
     ok = False
     try:
         done = resumed_version(run_dir)
@@ -867,7 +868,8 @@ def run_engine_node(cfg: RunConfig, plan: NodePlan) -> int:
     run_dir = Path(cfg.run_dir)
     log_dir = run_dir / "logs" / f"node{node.rank}"
     try:
-        rendezvous = NodeRendezvous(node)
+        # node 0 writes the run's key before it sets any value; this node reads it when it first checks one
+        rendezvous = NodeRendezvous(node, key=lambda: node_api_key(run_dir))
         rendezvous.start_heartbeat()
     except NodeLost as e:
         print(f"pipelinerl: {e}", file=sys.stderr)

@@ -20,6 +20,8 @@ MASTER_ADDR:MASTER_PORT (torch.distributed's TCPStore, so nothing beyond torch i
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import threading
 import time
@@ -48,10 +50,24 @@ class NodeLost(RuntimeError):
     (seen from node 0)."""
 
 
+class RendezvousForged(RuntimeError):
+    """A value in node 0's store is not signed with the run's key."""
+
+
 class NodeRendezvous:
-    def __init__(self, node: NodeEnv, timeout_s: float = 600.0):
+    """`key`: the run's secret (or a function that gives it once it exists: node 0 makes it after it hosts the
+    store, and the other nodes read it from the run directory node 0 wrote it into). Every value a node sets is
+    signed with it (HMAC-SHA256 over the key's name and the value), and a value whose signature does not hold is
+    never acted on: the store listens on MASTER_ADDR:MASTER_PORT, which anyone on the network can reach, and its
+    values say which model every engine loads and where the trainer sends the weights. (The heartbeat and
+    acknowledgement counters are not signed: one who forges them can only delay the notice of a lost node.)"""
+
+    def __init__(self, node: NodeEnv, timeout_s: float = 600.0, key: str | Callable[[], str] | None = None):
         from torch.distributed import TCPStore
 
+        if key is None:
+            raise ValueError("a NodeRendezvous needs the run's key (PIPELINERL_API_KEY or RUN_DIR/api_key)")
+        self._key = key
         self.node = node
         self.timeout_s = timeout_s
         try:
@@ -67,17 +83,39 @@ class NodeRendezvous:
 
     # --- small typed wrappers over the store -------------------------------------------------------------------
 
+    def _secret(self) -> bytes:
+        key = self._key() if callable(self._key) else self._key
+        return key.encode()
+
+    def _mac(self, key: str, payload: str) -> str:
+        return hmac.new(self._secret(), f"{key}\0{payload}".encode(), hashlib.sha256).hexdigest()
+
     def _set(self, key: str, value: object) -> None:
-        self.store.set(key, json.dumps(value))
+        payload = json.dumps(value)
+        self.store.set(key, json.dumps({"value": payload, "mac": self._mac(key, payload)}))
 
     def _get(self, key: str) -> object | None:
-        """The value, or None if not set yet; NodeLost when the store is gone."""
+        """The value, or None if not set yet; NodeLost when the store is gone; RendezvousForged when the value is
+        not signed with the run's key."""
         try:
             if not self.store.check([key]):
                 return None
-            return json.loads(self.store.get(key))
+            raw = self.store.get(key)
         except (RuntimeError, OSError) as e:  # TCPStore raises RuntimeError/DistNetworkError on a lost server
             raise NodeLost(f"node 0 ({self.node.master_addr}:{self.node.master_port}) stopped answering: {e}") from e
+        try:
+            signed = json.loads(raw)
+            payload, mac = signed["value"], signed["mac"]
+            ok = isinstance(payload, str) and isinstance(mac, str) and hmac.compare_digest(mac, self._mac(key, payload))
+        except (ValueError, TypeError, KeyError):
+            ok = False
+        if not ok:
+            raise RendezvousForged(
+                f"node {self.node.rank}: the value of {key!r} in node 0's store at {self.node.master_addr}:"
+                f"{self.node.master_port} is not signed with this run's key: another process reached that port, or "
+                "the nodes have different keys (set the same PIPELINERL_API_KEY on every node, or share RUN_DIR, "
+                "where node 0 writes api_key); the run stops rather than act on it")
+        return json.loads(payload)
 
     def _wait_for(self, key: str, what: str, check: Callable[[], None], timeout_s: float | None,
                   poll_s: float = 0.2) -> object:

@@ -1,5 +1,6 @@
 """What runs where (pipelinerl.placement) and how node launchers meet (pipelinerl.nodes, a real TCPStore)."""
 
+import json
 import threading
 import time
 
@@ -139,7 +140,33 @@ def test_config_keys_are_validated():
 
 def nodes(world: int, timeout_s: float = 20.0) -> list[NodeRendezvous]:
     port = free_port()
-    return [NodeRendezvous(NodeEnv(world, r, "127.0.0.1", port), timeout_s) for r in range(world)]
+    return [NodeRendezvous(NodeEnv(world, r, "127.0.0.1", port), timeout_s, key="the run's key") for r in range(world)]
+
+
+def test_a_value_not_signed_with_the_runs_key_is_never_acted_on():
+    """Anyone who reaches MASTER_ADDR:MASTER_PORT can write into node 0's store: a value set there without the run's
+    key (or with another key) stops the node that reads it, naming the store, instead of being believed."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from pipelinerl.nodes import RendezvousForged
+
+    node0, node1 = nodes(2)
+    port = node0.node.master_port
+    intruder = TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    intruder.set("model_ready", json.dumps({"path": "/attacker/model", "name": "", "start_timeout_s": 1}))
+    with pytest.raises(RendezvousForged, match=r"'model_ready' in node 0's store at 127.0.0.1:\d+ is not signed"):
+        node1.wait_model()
+    other = NodeRendezvous(NodeEnv(2, 1, "127.0.0.1", port), 10, key="another key")
+    node0.model_ready("/shared/model")
+    with pytest.raises(RendezvousForged, match="different keys"):
+        other.wait_model()
+    assert node1.wait_model().path == "/shared/model"  # signed with the run's key: taken
+    intruder.set("engines/1", json.dumps(["http://attacker:1"]))
+    node1.engines_starting()
+    with pytest.raises(RendezvousForged, match="'engines/1'"):
+        node0.gather_engines([], check=lambda: None)
 
 
 def test_rendezvous_hands_the_model_and_the_engine_urls_to_node_zero():
