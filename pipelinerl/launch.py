@@ -54,6 +54,7 @@ from pipelinerl.procs import (
     run_in_child,
     start_process,
     stop_process,
+    stop_processes,
     tail,
     tool_command,
     wait_for_port,
@@ -282,8 +283,7 @@ class Engines:
     def stop(self) -> None:
         for c in self.clients:
             c.close()
-        for p in self.procs:
-            stop_process(p)
+        stop_processes(self.procs)  # all at once: one shared wait, however many engines
 
 
 def gpu_memory_args(e) -> dict[str, str]:
@@ -427,11 +427,16 @@ def write_pids(run_dir: Path, roles: dict[str, subprocess.Popen], engine_pids: d
 
 
 def stop_roles(cfg: RunConfig, children: dict[str, subprocess.Popen]) -> None:
-    """The trainer first, given time to save a checkpoint (it saves on SIGTERM), then the actor."""
+    """The trainer and the actor at once: the trainer given `trainer.stop_grace_s` to save its checkpoint (it saves
+    on SIGTERM), the actor, which saves nothing, 10 s; then whatever lingers is killed."""
+    others = [p for name, p in children.items() if name != "trainer"]
+    for proc in others:  # the actor stops while the trainer saves
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
     if "trainer" in children:
         stop_process(children["trainer"], timeout_s=cfg.trainer.stop_grace_s)
-    for proc in children.values():
-        stop_process(proc)
+    stop_processes(others)
 
 
 def node_api_key(run_dir: Path) -> str:

@@ -140,3 +140,32 @@ def test_a_failed_join_leaves_a_working_engine_for_updates(tiny_model_dir, tmp_p
             assert after.token_ids != before.token_ids or after.logprobs != before.logprobs
         finally:
             group.destroy()
+
+
+@pytest.mark.parametrize("receiver", ["process", "thread"])
+def test_sigterm_ends_an_engine_with_a_broadcast_half_received(tiny_model_dir, tmp_path, receiver):
+    """The trainer sends an update, broadcasts its first tensor and then nothing (a trainer stalled or gone with its
+    group held open): the engine, SIGTERMed while it waits for the rest, is gone in seconds."""
+    from pipelinerl.conformance import Reference
+    from pipelinerl.engines.client import update_request_body
+
+    ref = Reference(str(tiny_model_dir))
+    named = ref.named(ref.base)
+    with running_engine(tiny_model_dir, tmp_path, extra=["--update-receiver", receiver]) as client:
+        port = free_port()
+        world, futures = init_group_on_engines([client], "127.0.0.1", port, "gloo", "stalls", 300)
+        group = init_weight_update_group("127.0.0.1", port, 0, world, "gloo", "stalls", 300)
+        try:
+            for f in futures:
+                f.result()
+            client.send_update(update_request_body(named, 1, "stalls", 0))
+            group.broadcast(named[0][1].contiguous())  # one tensor of many, then nothing
+            time.sleep(1.0)
+            start = time.monotonic()
+            client.process.send_signal(signal.SIGTERM)
+            client.process.wait(timeout=60)
+            took = time.monotonic() - start
+            client.abandon_update()
+        finally:
+            group.destroy()
+    assert took < 20, f"the engine took {took:.1f} s to end after SIGTERM with a broadcast half received"

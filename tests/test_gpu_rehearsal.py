@@ -270,7 +270,8 @@ def test_every_recipe_with_a_make_target_installs_its_engine(repo, node):
         done = run(["make", "-n", target, f"VENV={node['venv']}"], repo, env_of(node))
         assert done.returncode == 0, (target, done.stdout + done.stderr)
         assert f"recipes/{recipe}" in done.stdout, target
-        assert ('"vllm==0.32.0"' in done.stdout) == (kind == "vllm"), (target, kind)
+        # the sub-make the target runs first (its own commands show only where the venv is not built yet)
+        assert ("install install-vllm" in done.stdout) == (kind == "vllm"), (target, kind)
 
 
 def test_flash_attn_is_installed_from_its_wheel_or_skipped_in_one_line(monkeypatch, tmp_path, capsys):
