@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 # order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
-.PHONY: install pins run compare compare-algorithms compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-1gpu run-7b run-32b
+.PHONY: install pins fuzz chaos run compare compare-algorithms compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-1gpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -171,6 +171,26 @@ test-quick: $(STAMP)
 # why, where the GPUs it needs are missing. (`make test` collects them too: without a GPU they skip at once.)
 test-gpu: install-vllm-optional
 	$(BIN)/python -m pytest -q -rs tests/gpu $(PYTEST_ARGS)
+
+# Long fuzzing of the engines (not in `make test`, which runs a short pass of each): schemathesis over every route of
+# contracts/openapi.json (FUZZ_EXAMPLES per operation) and the stateful walk (FUZZ_STEPS), against the embedded
+# engine and vLLM's front where vLLM is installed. FUZZ_SEED is printed; rerun with it to replay a failure.
+FUZZ_EXAMPLES ?= 600
+FUZZ_STEPS ?= 5000
+FUZZ_SEED ?= $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
+fuzz: install-vllm-optional
+	@echo "make fuzz: seed $(FUZZ_SEED) ($(FUZZ_EXAMPLES) examples per operation, $(FUZZ_STEPS) stateful steps)"
+	PIPELINERL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PIPELINERL_FUZZ_STEPS=$(FUZZ_STEPS) PIPELINERL_FUZZ_SEED=$(FUZZ_SEED) \
+	  $(BIN)/python -m pytest -q -s -p no:randomly tests/test_fuzz.py tests/test_fuzz_stateful.py $(PYTEST_ARGS)
+
+# Whole runs under random faults (tests/chaos.py): CHAOS_SEEDS runs of CHAOS_STEPS steps, CHAOS_FAULTS faults each;
+# prints runs survived / faults injected. Root (for the full-disk fault's tmpfs) where available.
+CHAOS_SEEDS ?= 1,2,3
+CHAOS_STEPS ?= 200
+CHAOS_FAULTS ?= 12
+chaos: $(STAMP)
+	PIPELINERL_CHAOS_SEEDS=$(CHAOS_SEEDS) PIPELINERL_CHAOS_STEPS=$(CHAOS_STEPS) PIPELINERL_CHAOS_FAULTS=$(CHAOS_FAULTS) \
+	  $(BIN)/python -m pytest -q -s tests/test_chaos.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)

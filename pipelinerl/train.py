@@ -12,8 +12,10 @@ the new version and the count of samples taken on the control stream (the actor 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -133,6 +135,7 @@ class Checkpoints:
         self.trainer, self.run_dir, self.cfg = trainer, run_dir, trainer.cfg
         self.saved_version = saved_version
         self.last_save = time.monotonic()
+        self.failures = 0  # periodic saves given up for a full disk
 
     def decide(self, stop_requested: bool) -> tuple[bool, bool]:
         """(save now, stop now) after a step, agreed by every trainer process."""
@@ -141,10 +144,28 @@ class Checkpoints:
         by_time = bool(c.save_every_minutes) and time.monotonic() - self.last_save >= 60 * c.save_every_minutes
         return tuple(any_rank(self.trainer, by_steps or by_time, stop_requested))
 
-    def save(self, position: dict) -> None:
+    def save(self, position: dict, periodic: bool = False) -> None:
+        """Save unless this version is saved already. A periodic save that finds the disk full (ENOSPC, EDQUOT) with
+        one trainer process is given up, its partial directory removed, and the run goes on: the newest complete
+        checkpoint stays what a resume takes, and the next save is tried at the next interval. The save at a stop
+        or at the end raises, as do sharded trainers' (whose ranks would not agree on what was written)."""
         if self.saved_version == self.trainer.version:
             return
-        save_checkpoint(self.trainer, checkpoint_dir(self.run_dir, self.trainer.version), position)
+        target = checkpoint_dir(self.run_dir, self.trainer.version)
+        try:
+            save_checkpoint(self.trainer, target, position)
+        except OSError as e:
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            if not periodic or not full or self.trainer.accelerator.num_processes > 1:
+                raise
+            shutil.rmtree(target.parent / f".tmp-{target.name}", ignore_errors=True)
+            self.failures += 1
+            self.last_save = time.monotonic()
+            newest = latest_checkpoint(self.run_dir)
+            log.error("the checkpoint at version %d could not be written (%s); training goes on and the newest "
+                      "complete checkpoint (%s) stays the one a rerun resumes from: free space in %s",
+                      self.trainer.version, e.strerror or e, newest or "none", target.parent)
+            return
         self.saved_version, self.last_save = self.trainer.version, time.monotonic()
         if self.trainer.accelerator.is_main_process:
             for old in prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints):
@@ -378,7 +399,7 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
                    "samples_per_s": len(batch) / (now - last), "tokens_per_s": tokens / (now - last),
                    "wait_for_samples_s": waited, "broadcast_s": sync.seconds, "broadcast_bytes": sync.bytes,
                    "stale_dropped": stale_dropped, "stream_corrupt": feed.reader.corrupt,
-                   "engines_rejoined": engines_rejoined,
+                   "engines_rejoined": engines_rejoined, "checkpoint_failures": checkpoints.failures,
                    "min_version_in_batch": min(s.oldest_version for s in batch),
                    **batch_metrics(batch), **stats}
             step_position = _position(feed, stale_dropped, started)
@@ -410,7 +431,7 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
             last = time.monotonic()
             save_now, stopped = checkpoints.decide(stop.requested)
             if save_now and not stopped:
-                checkpoints.save(step_position)
+                checkpoints.save(step_position, periodic=True)
             if stopped:
                 break
     except StopRequested:

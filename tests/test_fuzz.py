@@ -173,9 +173,9 @@ def aim_rendezvous(case: Any, closed_port: int) -> None:
     body["timeout_s"] = min(body.get("timeout_s", JOIN_TIMEOUT_S), JOIN_TIMEOUT_S)
 
 
-def fuzz_case(case: Any, url: str, log: FuzzLog, closed_port: int) -> None:
+def fuzz_case(case: Any, url: str, log: FuzzLog, closed_port: int, headers: dict | None = None) -> None:
     aim_rendezvous(case, closed_port)
-    response = case.call(base_url=url)
+    response = case.call(base_url=url, headers=headers)
     log.statuses[(case.operation.label, response.status_code)] += 1
     case.validate_response(response, additional_checks=[error_envelope], transport_kwargs={"base_url": url})
 
@@ -196,12 +196,26 @@ def biased_model_dir(tmp_path_factory) -> Path:
     return build_model_past_its_tokenizer(tmp_path_factory.mktemp("model_past_tokenizer"))
 
 
+FUZZ_KEY = "fuzz-api-key"
+AUTH = {"Authorization": f"Bearer {FUZZ_KEY}"}
+
+
 @pytest.fixture(scope="module")
 def embedded(biased_model_dir, tmp_path_factory) -> Iterator[EngineClient]:
+    """With an API key, as every engine of a run has one: the fuzzer sends it (the weights routes are fuzzed
+    behind it, as a trainer reaches them), and the clients here read it from the environment."""
     # a short context and few sequences keep every generation the fuzzer asks for short
     extra = ["--max-model-len", "64", "--max-running-seqs", "8", "--max-batch-tokens", "1024"]
-    with running_engine(biased_model_dir, tmp_path_factory.mktemp("logs"), extra=extra) as client:
-        yield client
+    saved = os.environ.get("PIPELINERL_API_KEY")
+    os.environ["PIPELINERL_API_KEY"] = FUZZ_KEY
+    try:
+        with running_engine(biased_model_dir, tmp_path_factory.mktemp("logs"), extra=extra) as client:
+            yield client
+    finally:
+        if saved is None:
+            os.environ.pop("PIPELINERL_API_KEY", None)
+        else:
+            os.environ["PIPELINERL_API_KEY"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +226,7 @@ def embedded_log() -> FuzzLog:
 @pytest.fixture(scope="module")
 def embedded_checksums(embedded) -> dict[str, str]:
     """The weights' checksums before any fuzzing."""
-    return httpx.get(f"{embedded.url}/v1/weights/checksum", timeout=60).json()["checksums"]
+    return httpx.get(f"{embedded.url}/v1/weights/checksum", headers=AUTH, timeout=60).json()["checksums"]
 
 
 def test_completions_name_token_ids_past_the_tokenizer(embedded, biased_model_dir):
@@ -223,7 +237,7 @@ def test_completions_name_token_ids_past_the_tokenizer(embedded, biased_model_di
     prompt = tokenizer.encode(PROMPT_TEXT)
     generated = embedded.generate(prompt, temperature=0, max_new_tokens=4, ignore_eos=True).completions[0]
     assert generated.token_ids == [biased] * 4, generated  # the model does generate past its tokenizer
-    r = httpx.post(f"{embedded.url}/v1/completions", timeout=60, json={
+    r = httpx.post(f"{embedded.url}/v1/completions", timeout=60, headers=AUTH, json={
         "prompt": PROMPT_TEXT, "max_tokens": 4, "temperature": 0, "logprobs": 1})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -231,7 +245,7 @@ def test_completions_name_token_ids_past_the_tokenizer(embedded, biased_model_di
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(generated.logprobs, abs=1e-5)
     assert choice["text"] == "" and choice["finish_reason"] == "length"
     # sampled, the text holds the characters of the ids the tokenizer has and nothing for the others
-    r = httpx.post(f"{embedded.url}/v1/completions", timeout=60, json={
+    r = httpx.post(f"{embedded.url}/v1/completions", timeout=60, headers=AUTH, json={
         "prompt": PROMPT_TEXT, "max_tokens": 32, "temperature": 5, "seed": 3, "logprobs": 1, "n": 4})
     assert r.status_code == 200, r.text
     for choice in r.json()["choices"]:
@@ -260,7 +274,7 @@ GENERATE = {"prompt_token_ids": [5, 6]}
      "sampling.top_p"),
 ])
 def test_every_error_is_the_contract_envelope(embedded, method, path, content, content_type, status, field):
-    headers = {"content-type": content_type} if content_type else {}
+    headers = {**AUTH, **({"content-type": content_type} if content_type else {})}
     r = httpx.request(method, f"{embedded.url}{path}", content=content, headers=headers, timeout=60)
     assert r.status_code == status, r.text
     assert set(r.json()) == {"error"} and r.json()["error"]["field"] == field and r.json()["error"]["message"], r.text
@@ -279,12 +293,12 @@ def test_every_error_is_the_contract_envelope(embedded, method, path, content, c
     ({"seed": 2**53}, "sampling.seed"),
 ])
 def test_numbers_and_booleans_are_taken_only_as_their_json_type(embedded, sampling, field):
-    r = httpx.post(f"{embedded.url}/v1/generate", json={**GENERATE, "sampling": sampling}, timeout=60)
+    r = httpx.post(f"{embedded.url}/v1/generate", json={**GENERATE, "sampling": sampling}, headers=AUTH, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["field"] == field, r.text
 
 
 def test_json_integers_are_numbers(embedded):
-    r = httpx.post(f"{embedded.url}/v1/generate", timeout=60, json={
+    r = httpx.post(f"{embedded.url}/v1/generate", timeout=60, headers=AUTH, json={
         **GENERATE, "sampling": {"temperature": 1, "top_p": 1, "max_new_tokens": 2, "seed": 2**53 - 1}})
     assert r.status_code == 200, r.text
 
@@ -305,7 +319,7 @@ embedded_contract = contract_schema({"/v1/weights/init_group": ["504"]})
 @embedded_contract.parametrize()
 def test_embedded_engine_answers_every_request_by_its_contract(case, embedded, embedded_checksums, embedded_log,
                                                                closed_port):
-    fuzz_case(case, embedded.url, embedded_log, closed_port)
+    fuzz_case(case, embedded.url, embedded_log, closed_port, AUTH)
 
 
 def test_embedded_engine_serves_after_fuzzing(embedded, biased_model_dir, embedded_log, embedded_checksums):
@@ -313,7 +327,7 @@ def test_embedded_engine_serves_after_fuzzing(embedded, biased_model_dir, embedd
         pytest.skip("the fuzz test did not run")
     print(f"fuzzed the embedded engine: {embedded_log.summary()}")
     assert_generates_like_transformers(embedded, biased_model_dir, build_char_tokenizer().encode(PROMPT_TEXT))
-    after = httpx.get(f"{embedded.url}/v1/weights/checksum", timeout=60).json()["checksums"]
+    after = httpx.get(f"{embedded.url}/v1/weights/checksum", headers=AUTH, timeout=60).json()["checksums"]
     assert after == embedded_checksums, "the fuzzer changed the weights"
     assert embedded.info().weight_group is None
 
