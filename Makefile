@@ -181,7 +181,7 @@ FUZZ_SEED ?= $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
 fuzz: install-vllm-optional
 	@echo "make fuzz: seed $(FUZZ_SEED) ($(FUZZ_EXAMPLES) examples per operation, $(FUZZ_STEPS) stateful steps)"
 	PIPELINERL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PIPELINERL_FUZZ_STEPS=$(FUZZ_STEPS) PIPELINERL_FUZZ_SEED=$(FUZZ_SEED) \
-	  $(BIN)/python -m pytest -q -s -p no:randomly tests/test_fuzz.py tests/test_fuzz_stateful.py $(PYTEST_ARGS)
+	  $(BIN)/python -m pytest -q -s tests/test_fuzz.py tests/test_fuzz_stateful.py $(PYTEST_ARGS)
 
 # Whole runs under random faults (tests/chaos.py): CHAOS_SEEDS runs of CHAOS_STEPS steps, CHAOS_FAULTS faults each;
 # prints runs survived / faults injected. Root (for the full-disk fault's tmpfs) where available.
