@@ -23,7 +23,7 @@ from pipelinerl.engines.common import ModelFacts, versions_from_spans
 from pipelinerl.engines.server import ContractError
 from pipelinerl.engines.sglang import sglang_command
 from pipelinerl.engines.sglang.front import SGLangBackend, SGLangSettings, _span, update_chunks
-from pipelinerl.procs import start_process, stop_process, tail, wait_for_port
+from pipelinerl.procs import free_port, start_process, stop_process, tail, wait_for_port
 from pipelinerl.weight_sync import DTYPE_NAMES, broadcast_tensors, host_rendezvous, init_weight_update_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,3 +248,35 @@ def test_conformance_suite_passes_on_sglang(tmp_path):
     finally:
         client.close()
         stop_process(proc, timeout_s=30)
+
+
+def test_sglang_is_started_again_on_another_port_when_its_port_was_taken(monkeypatch, tmp_path):
+    """SGLang binds the port it is given only once its model is loaded: another process may take it meanwhile. The
+    first port here is held by this test; the server stand-in cannot bind it and exits, and it is started again
+    on a free port, healthy."""
+    import socket
+
+    import pipelinerl.engines.sglang as sglang_module
+
+    server = tmp_path / "server.py"
+    server.write_text(
+        "import sys, http.server\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
+        "    def log_message(self, *a): pass\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    ports = iter([held.getsockname()[1]] + [free_port() for _ in range(3)])
+    monkeypatch.setattr(sglang_module, "free_port", lambda: next(ports))
+    monkeypatch.setattr(sglang_module, "sglang_command", lambda args, port: [sys.executable, str(server), str(port)])
+    try:
+        proc, url = sglang_module.start_healthy(Namespace(start_timeout_s=30))
+        try:
+            assert not url.endswith(f":{held.getsockname()[1]}") and httpx.get(url + "/health").status_code == 200
+        finally:
+            sglang_module.stop_server(proc)
+    finally:
+        held.close()
