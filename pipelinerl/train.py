@@ -154,22 +154,41 @@ class Checkpoints:
         target = checkpoint_dir(self.run_dir, self.trainer.version)
         try:
             save_checkpoint(self.trainer, target, position)
-        except OSError as e:
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            if not periodic or not full or self.trainer.accelerator.num_processes > 1:
+        except Exception as e:  # noqa: BLE001 (savers report a full disk in their own words: see disk_full)
+            partial = target.parent / f".tmp-{target.name}"
+            if not periodic or self.trainer.accelerator.num_processes > 1 or not disk_full(e, partial):
                 raise
-            shutil.rmtree(target.parent / f".tmp-{target.name}", ignore_errors=True)
+            shutil.rmtree(partial, ignore_errors=True)
             self.failures += 1
             self.last_save = time.monotonic()
             newest = latest_checkpoint(self.run_dir)
-            log.error("the checkpoint at version %d could not be written (%s); training goes on and the newest "
-                      "complete checkpoint (%s) stays the one a rerun resumes from: free space in %s",
-                      self.trainer.version, e.strerror or e, newest or "none", target.parent)
+            log.error("the checkpoint at version %d could not be written (No space left on device: %s); training "
+                      "goes on and the newest complete checkpoint (%s) stays the one a rerun resumes from: free space "
+                      "in %s", self.trainer.version, str(e).splitlines()[0] if str(e) else type(e).__name__,
+                      newest or "none", target.parent)
             return
         self.saved_version, self.last_save = self.trainer.version, time.monotonic()
         if self.trainer.accelerator.is_main_process:
             for old in prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints):
                 log.info("deleted checkpoint %s (trainer.keep_checkpoints=%d)", old, self.cfg.keep_checkpoints)
+
+
+def disk_full(error: BaseException, partial: Path) -> bool:
+    """Whether a save failed for want of space: an OSError of ENOSPC or EDQUOT anywhere in its chain, or (the
+    savers word it their own ways: safetensors' "No space left on device (os error 28)", torch's "file write
+    failed") a filesystem left with less room than the partial save had already taken."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        written = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+        return shutil.disk_usage(partial.parent).free < max(written, 1 << 20)
+    except OSError:
+        return False
 
 
 class SampleFeed:

@@ -146,15 +146,31 @@ class Chaos:
                 subprocess.run(["umount", "-l", str(self.run_dir / "checkpoints")], capture_output=True)
         return self.report
 
+    def _step(self) -> int:
+        try:
+            rows = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+            return int(json.loads(rows[-1])["step"]) if rows else 0
+        except (OSError, ValueError, KeyError, IndexError):
+            return 0
+
+    def _due(self, max_faults: int) -> bool:
+        """With a fixed plan, fault k comes once the run passed step (k + 1) / (n + 1) of its steps, so that the
+        faults spread over the run whatever its speed (a step takes 50 ms alone, ten times that under load); at
+        random, whenever the random wait is over."""
+        if self.plan is None:
+            return True
+        k = len(self.report.injected)
+        return self._step() >= (k + 1) * self.steps // (max_faults + 1)
+
     def _inject_while_running(self, proc: subprocess.Popen, max_faults: int, deadline: float) -> str | None:
-        """Faults at random times until the launcher exits; the fault that stopped it, if one did."""
+        """Faults until the launcher exits; the fault that stopped it, if one did."""
         last = None
         while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(self.rng.uniform(*self.every_s))
+            time.sleep(self.rng.uniform(*self.every_s) if self.plan is None else 0.1)
             if proc.poll() is not None or len(self.report.injected) >= max_faults or not _pids(self.run_dir):
                 continue
-            if not (self.run_dir / "logs" / "engine_urls").exists():
-                continue  # not started yet
+            if not (self.run_dir / "logs" / "engine_urls").exists() or not self._due(max_faults):
+                continue  # not started yet, or not yet this fault's turn
             fault = self.plan.pop(0) if self.plan else (None if self.plan is not None else
                                                         self.rng.choice(FAULTS))
             if fault == "fill_disk" and not self.disk:
@@ -174,12 +190,7 @@ class Chaos:
 
     def _far_from_the_end(self) -> bool:
         """A full disk at the last save (not a periodic one) stops the run, as it should: kept away from it."""
-        try:
-            rows = (self.run_dir / "metrics.jsonl").read_text().splitlines()
-            step = json.loads(rows[-1])["step"] if rows else 0
-        except (OSError, ValueError, KeyError):
-            return False
-        return step < self.steps - 15
+        return self._step() < self.steps - 15
 
     # --- the faults ----------------------------------------------------------------------------------------------
 
@@ -239,11 +250,21 @@ class Chaos:
         return True
 
     def fill_disk(self) -> bool:
-        """Shrink the checkpoints' filesystem to what it holds now: the next save finds it full. Grown again a
-        few seconds later, as an operator freeing space would."""
-        where = self.run_dir / "checkpoints"
+        """Shrink the checkpoints' filesystem to what it holds now: the next save finds it full. Grown again once
+        a save was refused (at most 20 s later), as an operator freeing space would."""
+        where, log = self.run_dir / "checkpoints", self.run_dir / "logs" / "trainer.log"
+
+        def refused() -> int:
+            try:
+                return log.read_text(errors="replace").count("could not be written (No space left")
+            except OSError:
+                return 0
+
+        before = refused()
         _resize_tmpfs(where, _used_kb(where) + 64)
-        time.sleep(self.rng.uniform(6.0, 12.0))
+        give_up = time.monotonic() + 20.0
+        while refused() == before and time.monotonic() < give_up:
+            time.sleep(0.1)
         _resize_tmpfs(where, CHECKPOINT_FS_MB * 1024)
         return True
 

@@ -60,8 +60,9 @@ def test_every_documented_error_is_the_envelope():
 def test_completions_document_what_openai_clients_send():
     """`prompt` and `stop` as OpenAI's clients send them: one string or a list (`stop` also null)."""
     properties = build_openapi()["components"]["schemas"]["CompletionsRequest"]["properties"]
-    text = {"type": "string", "minLength": 1}
-    assert properties["prompt"]["anyOf"] == [text, {"type": "array", "items": text, "minItems": 1}]
+    text = {"type": "string", "minLength": 1, "maxLength": 2**22}
+    assert properties["prompt"]["anyOf"] == [text, {"type": "array", "items": text, "minItems": 1,
+                                                    "maxItems": 1024}]
     stop = {"type": "string", "minLength": 1, "maxLength": 256}
     assert properties["stop"]["anyOf"] == [stop, {"type": "array", "items": stop, "maxItems": 16}, {"type": "null"}]
 

@@ -19,6 +19,7 @@ PIPELINERL_FUZZ_SEED change both for a longer or a different run.
 """
 
 import collections
+import contextlib
 import json
 import os
 import socket
@@ -206,16 +207,8 @@ def embedded(biased_model_dir, tmp_path_factory) -> Iterator[EngineClient]:
     behind it, as a trainer reaches them), and the clients here read it from the environment."""
     # a short context and few sequences keep every generation the fuzzer asks for short
     extra = ["--max-model-len", "64", "--max-running-seqs", "8", "--max-batch-tokens", "1024"]
-    saved = os.environ.get("PIPELINERL_API_KEY")
-    os.environ["PIPELINERL_API_KEY"] = FUZZ_KEY
-    try:
-        with running_engine(biased_model_dir, tmp_path_factory.mktemp("logs"), extra=extra) as client:
-            yield client
-    finally:
-        if saved is None:
-            os.environ.pop("PIPELINERL_API_KEY", None)
-        else:
-            os.environ["PIPELINERL_API_KEY"] = saved
+    with keyed(), running_engine(biased_model_dir, tmp_path_factory.mktemp("logs"), extra=extra) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -335,9 +328,23 @@ def test_embedded_engine_serves_after_fuzzing(embedded, biased_model_dir, embedd
 # --- vLLM's front --------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def keyed() -> Iterator[None]:
+    """PIPELINERL_API_KEY set to FUZZ_KEY while an engine starts and is fuzzed (its clients send it too)."""
+    saved = os.environ.get("PIPELINERL_API_KEY")
+    os.environ["PIPELINERL_API_KEY"] = FUZZ_KEY
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PIPELINERL_API_KEY", None)
+        else:
+            os.environ["PIPELINERL_API_KEY"] = saved
+
+
 @pytest.fixture(scope="module")
 def vllm_engine(vllm_imports, vllm_model_dir, tmp_path_factory) -> Iterator[EngineClient]:  # noqa: F811
-    with running_vllm(vllm_model_dir, tmp_path_factory.mktemp("logs") / "vllm.log", 128, 4) as client:
+    with keyed(), running_vllm(vllm_model_dir, tmp_path_factory.mktemp("logs") / "vllm.log", 128, 4) as client:
         yield client
 
 
@@ -352,7 +359,7 @@ vllm_contract = contract_schema({"/v1/weights/init_group": ["504"], "/v1/weights
 @needs_vllm
 @vllm_contract.parametrize()
 def test_vllm_front_answers_every_request_by_its_contract(case, vllm_engine, vllm_log, closed_port):
-    fuzz_case(case, vllm_engine.url, vllm_log, closed_port)
+    fuzz_case(case, vllm_engine.url, vllm_log, closed_port, AUTH)
 
 
 @needs_vllm

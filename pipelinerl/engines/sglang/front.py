@@ -116,7 +116,10 @@ class SGLangBackend:
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            # idle connections dropped well before the server's own keep-alive timeout (uvicorn's, which both
+            # servers run on: 5 s): at httpx's default of 5 s too, a connection the server had just closed was
+            # reused now and then, and the request failed with "Server disconnected without sending a response"
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=1.0)
             self._http = httpx.AsyncClient(base_url=self.url, timeout=None, limits=limits)
         return self._http
 

@@ -179,7 +179,10 @@ class VLLMBackend:
     def http(self) -> httpx.AsyncClient:
         """Created on first use, inside the server's event loop."""
         if self._http is None:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            # idle connections dropped well before the server's own keep-alive timeout (uvicorn's, which both
+            # servers run on: 5 s): at httpx's default of 5 s too, a connection the server had just closed was
+            # reused now and then, and the request failed with "Server disconnected without sending a response"
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=1.0)
             transport = httpx.AsyncHTTPTransport(uds=self.uds, limits=limits) if self.uds else None
             self._http = httpx.AsyncClient(base_url=self.url, timeout=None, limits=limits, transport=transport)
         return self._http
@@ -220,7 +223,7 @@ class VLLMBackend:
         self.metrics.request_started()
         tokens = 0
         try:
-            resp = await self.http.post("/inference/v1/generate", json=body)
+            resp = await self._post_unsent_once("/inference/v1/generate", body)
             out = self._parse_generate(rid, len(req.prompt_token_ids), p.n, resp, start_version)
             if p.stop:
                 out.completions = [self._enforce_stop(c, p.stop) for c in out.completions]
@@ -470,6 +473,17 @@ class VLLMBackend:
         if resp.status_code >= 400:
             raise _engine_error(resp.status_code, data, f"collective_rpc {method}")
         return data.get("results", []) if isinstance(data, dict) else []
+
+    async def _post_unsent_once(self, path: str, body: Any) -> httpx.Response:
+        """POST, sent again once if the connection closed before vLLM answered anything (a keep-alive connection
+        the server closed as it was reused: the request never reached vLLM, so nothing runs twice)."""
+        try:
+            return await self.http.post(path, json=body)
+        except httpx.RemoteProtocolError as e:
+            if "without sending a response" not in str(e):
+                raise
+            log.info("vLLM closed a connection before answering (%s); sending the request again", e)
+            return await self.http.post(path, json=body)
 
     async def _post(self, path: str, body: Any, params: dict | None = None) -> Any:
         resp = await self.http.post(path, json=body, params=params)
