@@ -22,7 +22,8 @@ def keyed_env(monkeypatch):
     monkeypatch.setenv("PIPELINERL_API_KEY", KEY)  # the engine requires it, and the clients send it
 
 
-@pytest.mark.parametrize("receiver", ["process", "thread"])
+# the thread receiver is walked only in `make fuzz`: it shares every code path but the receiving process
+@pytest.mark.parametrize("receiver", ["process", "thread"] if "PIPELINERL_FUZZ_STEPS" in os.environ else ["process"])
 def test_stateful_walk_keeps_the_contract(tiny_model_dir, tmp_path, keyed_env, receiver):
     extra = ["--max-model-len", "64", "--max-running-seqs", "8", "--update-receiver", receiver]
     with running_engine(tiny_model_dir, tmp_path, extra=extra) as client:

@@ -290,8 +290,8 @@ def test_streamed_updates_pass_the_conformance_suite_and_refuse_a_partial_one(vl
         assert all(r.status == PASS for r in results), table + "\n" + tail(tmp_path / "vllm.log", 40)
         ref = Reference(str(vllm_model_dir))
         port = free_port()
-        world, futures = init_group_on_engines([client], "127.0.0.1", port, "gloo", "streamed", 60)
-        group = init_weight_update_group("127.0.0.1", port, 0, world, "gloo", "streamed", 60)
+        world, futures = init_group_on_engines([client], "127.0.0.1", port, "gloo", "streamed", 15)
+        group = init_weight_update_group("127.0.0.1", port, 0, world, "gloo", "streamed", 15)
         try:
             for f in futures:
                 f.result()
