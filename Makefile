@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 # order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
-.PHONY: install pins fuzz chaos run compare compare-algorithms compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-1gpu run-7b run-32b
+.PHONY: install pins fuzz chaos run compare compare-algorithms compare-critic compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-1gpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -147,6 +147,11 @@ compare: $(STAMP)
 # every RL algorithm on the tiny recipe, side by side (docs/algorithms.md)
 compare-algorithms: $(STAMP)
 	$(BIN)/python -m bench.algorithms
+
+# why PPO with a critic collapsed in the ORZ rehearsal: six arms x 6 seeds of recipes/orz_cpu.yaml, 50 steps each
+# (docs/algorithms.md; about 2 hours on 2 cores). ARGS="--only A,E --seeds 3" for fewer
+compare-critic: $(STAMP)
+	$(BIN)/python -m bench.orz_critic $(ARGS)
 
 # the code recipes: tiny_code_cpu's learning curve, and the interpreter as a tool against single-turn (docs/code.md)
 compare-tools: $(STAMP)

@@ -29,7 +29,7 @@ from pathlib import Path
 from pipelinerl.config import RunConfig, load_config
 from pipelinerl.contracts.inference import GenerateRequest, GenerateResponse, SamplingParams
 from pipelinerl.engines.client import AsyncEngineClient
-from pipelinerl.procs import engine_urls, role_arguments
+from pipelinerl.procs import POOL_SOLVED_EXIT, engine_urls, role_arguments
 from pipelinerl.rewards import RewardPool, RewardResult
 from pipelinerl.rewards.pool import resolve
 from pipelinerl.rewards.shaping import shape_reward
@@ -90,6 +90,11 @@ class RunStalled(RuntimeError):
     """The run cannot make progress (dynamic sampling drops every group); the actor exits with an error."""
 
 
+class PoolSolved(Exception):
+    """Every training problem was retired as solved (actor.retire_solved): the actor exits with POOL_SOLVED_EXIT and
+    the launcher ends the run as a success."""
+
+
 class Actor:
     def __init__(self, cfg: RunConfig, engine_urls: list[str]):
         from transformers import AutoTokenizer
@@ -110,6 +115,9 @@ class Actor:
         self.order = list(range(len(self.problems)))
         random.Random(cfg.seed).shuffle(self.order)
         self.next_problem = state.get("next_problem", 0)
+        # under dynamic sampling with actor.retire_solved: problems whose group came back all right, not sampled
+        # again (ProRL's and DAPO's pruning of solved prompts), kept across restarts
+        self.retired: set[int] = set(state.get("retired", []))
         self.streamed = state.get("streamed_samples", 0)  # samples the trainer will read, in order
         self.in_flight = 0  # samples being generated or scored
         self.trainer_version = 0
@@ -128,6 +136,7 @@ class Actor:
         self.launch_id = uuid.uuid4().hex[:8]
         self.dropped_in_a_row = 0
         self.stalled: str | None = None  # why the run cannot go on (dynamic sampling keeps dropping every group)
+        self.pool_solved = False  # every training problem retired as solved: the run is over, and it succeeded
         self.down_until: dict[str, float] = {}  # engine URL -> until when it is not sent requests
 
     # --- the loop --------------------------------------------------------------------------------------------
@@ -143,7 +152,10 @@ class Actor:
                 self._read_control()
                 capacity = per_engine_groups * len(self.engines) - len(tasks)
                 while capacity > 0 and not self.done and self._may_start_group():
-                    task = asyncio.create_task(self._group(self._take_problem()))
+                    index = self._take_problem()
+                    if index is None:  # every problem is solved
+                        break
+                    task = asyncio.create_task(self._group(self.problems[index], index))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     capacity -= 1
@@ -167,6 +179,8 @@ class Actor:
         self.state_file.close()
         if self.stalled:
             raise RunStalled(self.stalled)
+        if self.pool_solved:
+            raise PoolSolved()
 
     def _may_start_group(self) -> bool:
         # The samples streamed or in flight that the trainer has not taken yet go before a group started now:
@@ -182,12 +196,26 @@ class Actor:
             return False  # enough samples for the rest of the run are streamed or on their way
         return steps_ahead <= self.cfg.actor.max_lag
 
-    def _take_problem(self) -> dict:
-        index = self.order[self.next_problem % len(self.order)]
-        self.next_problem += 1
-        if self.next_problem % len(self.order) == 0:  # a new epoch, a new order
-            random.Random(self.cfg.seed + self.next_problem).shuffle(self.order)
-        return self.problems[index]
+    def _take_problem(self) -> int | None:
+        """The index of the next training problem, in a seeded order reshuffled every epoch, skipping retired
+        (solved) ones; None once every problem is retired, which ends the run as a success."""
+        if len(self.retired) >= len(self.problems):
+            self._finish_solved()
+            return None
+        while True:
+            index = self.order[self.next_problem % len(self.order)]
+            self.next_problem += 1
+            if self.next_problem % len(self.order) == 0:  # a new epoch, a new order
+                random.Random(self.cfg.seed + self.next_problem).shuffle(self.order)
+            if index not in self.retired:
+                return index
+
+    def _finish_solved(self) -> None:
+        if not self.pool_solved:
+            log.info("every one of the %d training problems came back with all %d answers right and is retired "
+                     "(actor.retire_solved): nothing is left to learn from; the run ends here", len(self.problems),
+                     self.cfg.sampling.group_size)
+        self.pool_solved = self.done = True
 
     def _read_control(self) -> None:
         for msg in self.control.read():
@@ -203,7 +231,7 @@ class Actor:
 
     # --- one group ---------------------------------------------------------------------------------------------
 
-    async def _group(self, problem: dict) -> None:
+    async def _group(self, problem: dict, index: int | None = None) -> None:
         cfg = self.cfg
         g = cfg.sampling.group_size
         self.in_flight += g
@@ -219,24 +247,33 @@ class Actor:
             self.in_flight -= g
             return
         self.in_flight -= g
-        self._stream_group(samples)
+        self._stream_group(samples, index)
 
-    def _stream_group(self, samples: list[Sample]) -> None:
+    def _stream_group(self, samples: list[Sample], index: int | None = None) -> None:
         """Append a scored group to the samples stream in one write (the trainer takes groups whole), or drop it
-        under dynamic sampling and count why."""
+        under dynamic sampling and count why: a solved problem (all right) is retired from the pool
+        (`actor.retire_solved`), and only hopeless groups (all wrong) in a row stop the run, a policy that gets
+        nothing right any more; a policy that solves its problems has not collapsed."""
         self.counts["samples_generated"] += len(samples)
         self.counts["samples_generated_correct"] += sum(s.correct for s in samples)
         if self.cfg.actor.dynamic_sampling and (why := dynamic_sampling_drop(samples)) is not None:
             self.counts[f"groups_dropped_{why}"] += 1
+            if why == "all_correct":
+                if self.cfg.actor.retire_solved and index is not None:
+                    self.retired.add(index)
+                    self.counts["problems_retired"] = len(self.retired)
+                    self._save_state()
+                return
             self.dropped_in_a_row += 1
             if self.dropped_in_a_row >= self.max_dropped_in_a_row > 0 and self.stalled is None:
                 self.stalled = (
-                    f"dynamic sampling dropped {self.dropped_in_a_row} groups in a row (since this actor started: "
-                    f"{self.counts['groups_dropped_all_wrong']} all wrong, {self.counts['groups_dropped_all_correct']}"
-                    f" all right, {self.counts['groups_streamed']} kept), so the trainer gets no samples: the policy "
-                    "gives no learning signal on these problems. Restart from a checkpoint before the collapse with a "
-                    "lower trainer.lr (a run resumes from the newest of RUN_DIR/checkpoints/step_*: move the later "
-                    "ones aside), use easier (or harder) problems, or raise actor.max_dropped_in_a_row (0: no limit)")
+                    f"dynamic sampling dropped {self.dropped_in_a_row} groups in a row whose answers were all wrong "
+                    f"(since this actor started: {self.counts['groups_dropped_all_wrong']} all wrong, "
+                    f"{self.counts['groups_dropped_all_correct']} all right, {self.counts['groups_streamed']} kept), "
+                    "so the trainer gets no samples: the policy gets nothing right on these problems any more. "
+                    "Restart from a checkpoint before the collapse with a lower trainer.lr (a run resumes from the "
+                    "newest of RUN_DIR/checkpoints/step_*: move the later ones aside), use easier problems, or raise "
+                    "actor.max_dropped_in_a_row (0: no limit)")
                 self.done = True
             return
         self.dropped_in_a_row = 0
@@ -244,7 +281,11 @@ class Actor:
         self.streamed += len(samples)
         self.counts["groups_streamed"] += 1
         self.counts["samples_streamed"] = self.streamed
-        self.state_file.write(json.dumps({"next_problem": self.next_problem, "streamed_samples": self.streamed}))
+        self._save_state()
+
+    def _save_state(self) -> None:
+        self.state_file.write(json.dumps({"next_problem": self.next_problem, "streamed_samples": self.streamed,
+                                          "retired": sorted(self.retired)}))
 
     @property
     def max_dropped_in_a_row(self) -> int:
@@ -351,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunStalled as e:
         log.error("%s", e)  # the launcher shows the end of this log and stops the run (the trainer checkpoints)
         return 1
+    except PoolSolved:
+        return POOL_SOLVED_EXIT  # the launcher stops the trainer (it checkpoints) and the run ends with 0
     return 0
 
 

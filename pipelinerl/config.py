@@ -177,6 +177,16 @@ class CriticConfig:
     lam: float = 1.0  # GAE lambda (ORZ: 1)
     # advantages normalised to mean 0, std 1 over the batch's tokens (ORZ, OpenRLHF's advantage normalisation)
     whiten_advantages: bool = True
+    # the critic's learning rate rises linearly to `lr` over its first this-many steps, then stays (ORZ: constant
+    # with 50 warm-up steps); 0: constant from the start
+    warmup_steps: int = 0
+    # each step's critic updates take the batch's samples in a seeded random order (ORZ's DataLoader(shuffle=True));
+    # false: contiguous slices in packing order (longest first), one length band per update
+    shuffle: bool = True
+    # the first this-many steps train the critic only, the policy frozen (verl's critic_warmup): its first policy
+    # updates then get values fitted to the task instead of a zero head. The steps count as versions (the engines
+    # sample the same weights) and in the policy's learning-rate schedule
+    policy_frozen_steps: int = 0
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "trainer.critic.lr", "must be > 0")
@@ -184,6 +194,8 @@ class CriticConfig:
         _check(self.value_clip is None or self.value_clip > 0, "trainer.critic.value_clip", "must be > 0 or unset")
         _check(0 <= self.gamma <= 1, "trainer.critic.gamma", "must be in [0, 1]")
         _check(0 <= self.lam <= 1, "trainer.critic.lam", "must be in [0, 1]")
+        _check(self.warmup_steps >= 0, "trainer.critic.warmup_steps", "must be >= 0 (0: no warm-up)")
+        _check(self.policy_frozen_steps >= 0, "trainer.critic.policy_frozen_steps", "must be >= 0 (0: none)")
 
 
 @dataclass
@@ -211,8 +223,8 @@ class TrainerConfig:
     # optimizer updates per batch, each on 1/ppo_minibatches of it (AReaL's ppo_n_minibatches); the weights are
     # published once, after the last. decoupled_ppo's proximal policy is the one before the first.
     ppo_minibatches: int = 1
-    # decoupled_ppo: tokens whose behaviour weight pi_prox / pi_behav exceeds this are left out of the loss (AReaL's
-    # behav_imp_weight_cap); unset: none are
+    # decoupled_ppo, gspo: tokens whose behaviour weight pi_prox / pi_behav exceeds this are left out of the loss
+    # (AReaL's behav_imp_weight_cap); unset: the loss's own (decoupled_ppo: 5, AReaL's; gspo: none); 0: none
     behav_imp_weight_cap: Optional[float] = None  # noqa: UP045
     importance_sampling_level: str = "token"  # decoupled_ppo: token | sequence (a geometric-mean ratio per sample)
     is_cap: float = 5.0  # reinforce_is: importance weights are capped here (truncated IS)
@@ -230,9 +242,14 @@ class TrainerConfig:
     skip_zero_advantage: bool = True
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    # KL in the reward (REINFORCE++, OpenRLHF's use_kl_loss false): each sample's reward minus kl_coef times its
-    # summed KL, before the advantages; otherwise the KL is a loss term
+    # KL in the reward (REINFORCE++, OpenRLHF's use_kl_loss false) instead of a loss term; how it is charged:
     kl_in_reward: bool = False
+    # with kl_in_reward, how a per-sample estimator charges the KL: `sample`, the sample's reward minus kl_coef times
+    # its summed KL before the advantages, every token charged the whole sample's KL (verl's use_kl_in_reward with
+    # GRPO); `to_go`, each token's advantage minus kl_coef times the KL of it and the tokens after it, its
+    # reward-to-go (OpenRLHF's REINFORCE++ and REINFORCE++-baseline, which whiten afterwards: whiten_over tokens).
+    # Unset: sample; gae charges each token its own KL and takes the returns, always to_go
+    kl_reward: Optional[str] = None  # noqa: UP045
     # the KL coefficient over the run: constant; linear from kl_coef to kl_coef_end over kl_schedule_steps; or
     # adaptive (Ziegler et al.: moved towards kl_target, horizon kl_horizon samples)
     kl_schedule: str = "constant"
@@ -325,8 +342,10 @@ class TrainerConfig:
         _check(self.clip_high is None or self.clip_high >= 0, "trainer.clip_high", "must be >= 0 or unset")
         _check(self.clip_ratio_c is None or self.clip_ratio_c > 1, "trainer.clip_ratio_c",
                "must be > 1 (3 is usual), or unset for no dual-clip")
-        _check(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1, "trainer.behav_imp_weight_cap",
-               "must be > 1 (a cap of w = pi_prox / pi_behav; AReaL uses 5 or more), or unset for none")
+        _check(self.behav_imp_weight_cap is None or self.behav_imp_weight_cap > 1 or self.behav_imp_weight_cap == 0,
+               "trainer.behav_imp_weight_cap",
+               "must be > 1 (a cap of w = pi_prox / pi_behav; AReaL uses 5 or more), 0 for none, or unset for the "
+               "loss's own")
         _check_choice(self.importance_sampling_level, ("token", "sequence"), "trainer.importance_sampling_level")
         _check_choice(self.whiten_over, ("samples", "tokens"), "trainer.whiten_over")
         _check(self.is_cap > 0, "trainer.is_cap", "must be > 0")
@@ -384,6 +403,45 @@ class TrainerConfig:
             raise ConfigError(f"trainer.advantage: {e.args[0]}") from None
         _check(self.aggregation is None or self.aggregation in registry.AGGREGATIONS, "trainer.aggregation",
                f"must be one of {', '.join(registry.AGGREGATIONS)} or unset, got {self.aggregation!r}")
+        self._check_algorithm_keys()
+        self._check_kl_reward()
+
+    def _check_algorithm_keys(self) -> None:
+        """A setting of one algorithm under another would be silently ignored: refuse it, naming who reads it."""
+        from pipelinerl.rl import registry
+
+        loss, adv = registry.policy_loss(self.policy_loss), registry.advantage(self.advantage)
+        defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                    for f in dataclasses.fields(TrainerConfig)}
+        for key in registry.ALGORITHM_KEYS:
+            value = getattr(self, key)
+            if value == defaults[key] or registry.reads_key(loss, key) or registry.reads_key(adv, key):
+                continue
+            readers = registry.readers(key)
+            by = f"; it is read by {', '.join(readers)}" if readers else " (only a loss of your own reads it)"
+            shown = "set" if key == "critic" else f"{value!r}"
+            raise ConfigError(f"trainer.{key}: {shown}, but trainer.policy_loss {self.policy_loss} and "
+                              f"trainer.advantage {self.advantage} do not read it, so it would have no effect{by}. "
+                              "Remove it from the recipe or choose an algorithm that reads it; to change a recipe's "
+                              "algorithm on the command line, name a preset (preset=NAME, recipes/presets/), which "
+                              "replaces the recipe's algorithm settings")
+
+    def _check_kl_reward(self) -> None:
+        from pipelinerl.rl import registry
+
+        if self.kl_reward is None:
+            return
+        _check_choice(self.kl_reward, ("sample", "to_go"), "trainer.kl_reward")
+        _check(self.kl_in_reward, "trainer.kl_reward",
+               f"{self.kl_reward!r} has no effect without trainer.kl_in_reward (the KL is then a loss term); set "
+               "trainer.kl_in_reward=true or remove it")
+        adv = registry.advantage(self.advantage)
+        _check(not (adv.token_level and self.kl_reward == "sample"), "trainer.kl_reward",
+               f"'sample' cannot apply to {self.advantage}, which charges each token its own KL and takes the returns "
+               "(to_go); remove it")
+        _check(not (adv.whitened and self.kl_reward == "to_go" and self.whiten_over == "samples"),
+               "trainer.whiten_over", f"is samples, but with trainer.kl_reward to_go {self.advantage} whitens "
+               "per-token advantages (OpenRLHF's REINFORCE++): set trainer.whiten_over=tokens")
 
     def with_algorithm_defaults(self) -> TrainerConfig:
         """This config with the settings left unset filled in from the chosen policy loss (GSPO's clip range and
@@ -391,11 +449,16 @@ class TrainerConfig:
         from pipelinerl.rl import registry
 
         loss = registry.policy_loss(self.policy_loss)
-        return dataclasses.replace(
-            self,
-            clip_low=loss.clip[0] if self.clip_low is None else self.clip_low,
-            clip_high=loss.clip[1] if self.clip_high is None else self.clip_high,
-            aggregation=loss.aggregation if self.aggregation is None else self.aggregation)
+        filled = {key: value for key, value in loss.defaults.items() if getattr(self, key) is None}
+        if registry.reads_key(loss, "clip_low") and self.clip_low is None:
+            filled["clip_low"] = loss.clip[0]
+        if registry.reads_key(loss, "clip_high") and self.clip_high is None:
+            filled["clip_high"] = loss.clip[1]
+        kl_reward = self.kl_reward
+        if self.kl_in_reward and kl_reward is None:
+            kl_reward = "to_go" if registry.advantage(self.advantage).token_level else "sample"
+        return dataclasses.replace(self, **filled, kl_reward=kl_reward,
+                                   aggregation=loss.aggregation if self.aggregation is None else self.aggregation)
 
 
 @dataclass
@@ -405,9 +468,13 @@ class ActorConfig:
     # drop a group whose samples are all right or all wrong (`reward_parts["correct"]`, as DAPO and verl filter on
     # accuracy): it has no correctness signal, even where length shaping makes its rewards differ
     dynamic_sampling: bool = True
-    # under dynamic sampling, stop the run once this many groups in a row were dropped: a policy that answers every
-    # problem all right or all wrong gives no signal, and regenerating would go on forever (DAPO's
-    # max_num_gen_batches). None: ten steps' worth of groups (10 * samples_per_step / group_size); 0: never stop
+    # under dynamic sampling, a problem whose group comes back all right is retired from the training pool and not
+    # sampled again (ProRL's and DAPO's pruning of solved prompts); once every problem is retired the run ends, exit 0
+    retire_solved: bool = True
+    # under dynamic sampling, stop the run once this many groups in a row came back all wrong: a policy that gets
+    # nothing right any more gives no signal, and regenerating would go on forever (DAPO's max_num_gen_batches).
+    # All-right groups neither count nor reset it (their problems are retired). None: ten steps' worth of groups
+    # (10 * samples_per_step / group_size); 0: never stop
     max_dropped_in_a_row: Optional[int] = None  # noqa: UP045 (omegaconf needs Optional)
 
     def __post_init__(self) -> None:
@@ -668,24 +735,78 @@ def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0]
 
 
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "recipes" / "presets"
+
+
+def preset_names() -> list[str]:
+    """The algorithm presets shipped in recipes/presets/ (one per paper's method)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def _load_yaml(path: Path, what: str) -> DictConfig:
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax errors carry the line number in their text
+        raise ConfigError(f"{path}: cannot parse YAML: {e}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path}: a {what} must be a mapping of keys")
+    return loaded
+
+
+def _load_presets(value: Any, source: str) -> list[tuple[DictConfig, str]]:
+    """`preset: NAME` (or a list of them), each a file of recipes/presets/ or a path to a YAML file."""
+    names = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
+    out = []
+    for name in names:
+        path = Path(str(name)) if str(name).endswith((".yaml", ".yml")) else PRESETS_DIR / f"{name}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"{source}: preset {str(name)!r}: no such preset; available: "
+                              f"{', '.join(preset_names())} (or a path to a YAML file)")
+        out.append((_load_yaml(path, "preset"), str(path)))
+    return out
+
+
+def _without_algorithm(cfg: DictConfig) -> DictConfig:
+    """The recipe's algorithm taken out (its loss, estimator and their settings back to the defaults), for a preset
+    named on the command line to replace: loaded onto any recipe, it is that paper's algorithm, not a mix with the
+    recipe's (whose clip range, say, would have no effect under the preset's loss and be refused)."""
+    from pipelinerl.rl.registry import ALGORITHM_KEYS
+
+    defaults = OmegaConf.structured(TrainerConfig)
+    for key in (*ALGORITHM_KEYS, "policy_loss", "advantage", "aggregation", "kl_in_reward", "kl_reward"):
+        cfg.trainer[key] = defaults[key]
+    return cfg
+
+
 def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | None = None,
                 schema: type = RunConfig) -> Any:
-    """Defaults <- recipe YAML <- dotted overrides (`trainer.lr=1e-6`), validated, as a dataclass instance."""
+    """Defaults <- presets the recipe names <- recipe YAML <- presets named on the command line <- dotted overrides
+    (`trainer.lr=1e-6`), validated, as a dataclass instance.
+
+    A preset (`recipes/presets/NAME.yaml`: an algorithm as its paper sets it) is named by a top-level `preset:` key
+    in the recipe, whose own keys then override it, or by `preset=NAME` on the command line, which overrides the
+    recipe; the overrides after it override both."""
     cfg = OmegaConf.structured(schema)
     if recipe is not None:
         path = Path(recipe)
         if not path.is_file():
             raise ConfigError(f"recipe {str(path)!r} does not exist")
-        try:
-            loaded = OmegaConf.load(path)
-        except Exception as e:  # YAML syntax errors carry the line number in their text
-            raise ConfigError(f"{path}: cannot parse YAML: {e}") from None
+        loaded = _load_yaml(path, "recipe")
+        if "preset" in loaded:
+            for preset, source in _load_presets(loaded.pop("preset"), str(path)):
+                cfg = _merge(cfg, preset, source)
         cfg = _merge(cfg, loaded, str(path))
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"command line: override {bad[0]!r} must look like key=value")
-        cfg = _merge(cfg, OmegaConf.from_dotlist(overrides), "command line")
+        dotlist = OmegaConf.from_dotlist(overrides)
+        if "preset" in dotlist:
+            if schema is RunConfig:
+                cfg = _without_algorithm(cfg)
+            for preset, source in _load_presets(dotlist.pop("preset"), "command line"):
+                cfg = _merge(cfg, preset, source)
+        cfg = _merge(cfg, dotlist, "command line")
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         where = f" (set it in {recipe} or on the command line)" if recipe else " (set it on the command line)"

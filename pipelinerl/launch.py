@@ -49,6 +49,7 @@ from pipelinerl.placement import (
     why_no_gpus,
 )
 from pipelinerl.procs import (
+    POOL_SOLVED_EXIT,
     engine_command,
     free_port,
     run_in_child,
@@ -388,6 +389,8 @@ def check_roles(children: dict[str, subprocess.Popen], run_dir: Path) -> None:
     """Raise ChildFailed naming a role that exited with an error, with its log's last lines."""
     for name, proc in children.items():
         code = proc.poll()
+        if name == "actor" and code == POOL_SOLVED_EXIT:
+            continue  # every training problem solved: follow_pipeline ends the run as a success
         if code is not None and code != 0:  # the actor exits 0 on the trainer's "done"
             log = run_dir / "logs" / f"{name}.log"
             raise ChildFailed(f"{name} exited with code {code}\n--- last lines of {log} ---\n{tail(log)}")
@@ -407,6 +410,11 @@ def follow_pipeline(cfg: RunConfig, children: dict[str, subprocess.Popen], urls:
             rows, offset = _new_rows(metrics_path, offset)
             for row in rows:
                 progress.show(row)
+            if children["actor"].poll() == POOL_SOLVED_EXIT:
+                print(f"pipelinerl: every training problem was solved (all {cfg.sampling.group_size} answers right) "
+                      "and retired (actor.retire_solved), so nothing is left to learn from: the run ends here, its "
+                      "trainer saving a checkpoint (RUN_DIR/logs/actor.log)", file=sys.stderr)
+                return
             if children["trainer"].poll() == 0:
                 children["actor"].wait(timeout=60)  # it stops on the trainer's "done" message
                 for i, url in enumerate(urls):  # what the engines saw, for the record

@@ -15,6 +15,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# the actor's exit code when every training problem was retired as solved (actor.retire_solved): the launcher ends
+# the run there, as a success
+POOL_SOLVED_EXIT = 4
+
 
 def free_port() -> int:
     with socket.socket() as s:

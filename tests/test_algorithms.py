@@ -66,13 +66,14 @@ def test_decoupled_ppo_minibatches_clip_against_the_proximal_policy(model_dir):
 
 def test_behav_imp_weight_cap_drops_stale_tokens(model_dir):
     """Tokens whose behaviour weight pi_prox / pi_behav exceeds behav_imp_weight_cap contribute nothing: a batch of
-    only such tokens leaves the weights as they were; without the cap it trains (and the weights are e^28)."""
+    only such tokens leaves the weights as they were (5 is also the default, AReaL's); without the cap (0) it trains
+    (and the weights are e^28)."""
     stale = batch(behav=-30.0)
     capped = make(model_dir, policy_loss="decoupled_ppo", behav_imp_weight_cap=5.0)
     before = params(capped)
     stats = capped.optimizer_step(stale)
     assert stats["behav_capped_frac"] == 1.0 and stats["grad_norm"] == 0 and same(before, params(capped))
-    uncapped = make(model_dir, policy_loss="decoupled_ppo").optimizer_step(stale)
+    uncapped = make(model_dir, policy_loss="decoupled_ppo", behav_imp_weight_cap=0).optimizer_step(stale)
     assert uncapped["behav_capped_frac"] == 0 and uncapped["grad_norm"] > 1e3
 
 

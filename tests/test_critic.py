@@ -3,10 +3,12 @@ critic in the real trainer: its loss falls and its values explain the returns, v
 policy moves towards the rewarded answer, KL in the reward reaches the per-token advantages, and a checkpoint
 resumes the critic exactly. The tiny recipe learning with a critic is in test_tiny_recipe.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from pipelinerl.config import CriticConfig, TrainerConfig
+from pipelinerl.config import ConfigError, CriticConfig, TrainerConfig
 from pipelinerl.models.tiny import build_tiny_model
 from pipelinerl.rl.values import gae_advantages, value_loss
 from pipelinerl.samples import Sample
@@ -106,8 +108,11 @@ def test_the_critics_loss_falls_and_its_values_explain_the_returns(model_dir):
 
 
 def test_without_a_critic_estimator_there_is_no_critic(model_dir):
-    trainer = make(model_dir, advantage="grpo")
+    trainer = Trainer(str(model_dir), TrainerConfig(lr=1e-2, samples_per_step=4, micro_batch_tokens=16), seed=0)
     assert trainer.critic is None and "critic_loss" not in trainer.optimizer_step(batch())
+    # and a critic configured for an estimator that has none is refused, naming the key and who reads it
+    with pytest.raises(ConfigError, match=r"trainer\.critic: set, but .* trainer\.advantage grpo .* read by gae"):
+        TrainerConfig(advantage="grpo", critic=CriticConfig(lr=1e-4))
 
 
 def test_value_clipping_bounds_the_critics_moves(model_dir):
@@ -168,3 +173,83 @@ def test_a_checkpoint_resumes_the_critic_exactly(model_dir, tmp_path):
     got = resumed.optimizer_step(batch())
     for key in ("critic_loss", "critic_explained_var", "critic_grad_norm", "loss"):
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+
+
+# --- issue 48: the critic sees only the past; shuffled updates, its warm-up, the policy frozen while it fits -------
+
+
+def random_head(trainer):
+    """The critic's head is zero-initialised (V = 0 everywhere, trivially causal): give it weights."""
+    head = trainer.accelerator.unwrap_model(trainer.critic.model).score
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 1.0)
+
+
+@pytest.mark.parametrize("attention", ["auto", "mask", "padded"])
+def test_the_critic_sees_only_the_past_in_every_layout(model_dir, attention):
+    """V at token t is the value of the state before it: changing token t leaves V_t unchanged, changing token t-1
+    changes it; and a packed row's values equal each sequence's values alone, in every layout the trainer uses."""
+    from pipelinerl.rl.packing import build_packed_batch
+
+    trainer = make(model_dir)
+    random_head(trainer)
+    critic = trainer.critic
+    base = [5, 6, 7, 10, 11, 12, 13]
+    t = 5
+    with torch.no_grad():
+        v = critic.values(build_packed_batch([base]), attention)
+        changed_t = critic.values(build_packed_batch([base[:t] + [40] + base[t + 1:]]), attention)
+        changed_before = critic.values(build_packed_batch([base[:t - 1] + [40] + base[t:]]), attention)
+        assert changed_t[t] == pytest.approx(float(v[t]), abs=1e-6)
+        assert torch.allclose(changed_t[:t + 1], v[:t + 1], atol=1e-6)
+        assert abs(float(changed_before[t]) - float(v[t])) > 1e-4
+        others = [[8, 9, 30, 31], [5, 6, 20, 21, 22]]
+        packed = critic.values(build_packed_batch([base, *others]), attention)
+        alone = torch.cat([critic.values(build_packed_batch([s]), attention) for s in [base, *others]])
+        assert torch.allclose(packed, alone, atol=1e-5), (packed - alone).abs().max()
+
+
+def test_critic_updates_take_the_batch_in_a_seeded_shuffled_order(model_dir):
+    """ORZ shuffles its critic's mini-batches: the parts differ from the packing order, and are the same on a
+    rerun with the same seed (a resumed run updates as the straight one)."""
+    trainer = make(model_dir, critic={"updates": 4})
+    from pipelinerl.trainer.batch import build_step
+
+    step = build_step(batch(), 16, 0, 1, trainer.accelerator.device, 1, False)
+    mbs = [mb for m in step.minibatches for mb in m.micro_batches]
+    trainer.critic.add_values(mbs)
+    trainer._set_advantages(step, mbs, 0.0)
+
+    def order(step_index, shuffle=True):
+        trainer.critic.critic_cfg = dataclasses.replace(trainer.critic.critic_cfg, shuffle=shuffle)
+        groups = trainer.critic._update_groups(mbs, step_index)
+        return [tuple(g[0].packed.input_ids[0].tolist()) for g in groups]
+
+    contiguous = order(0, shuffle=False)
+    shuffled = [order(i) for i in range(6)]
+    assert shuffled[0] == order(0)  # seeded: the same step, the same order
+    assert any(s != contiguous for s in shuffled) and len({tuple(s) for s in shuffled}) > 1
+
+
+def test_the_critics_learning_rate_warms_up_then_stays(model_dir):
+    trainer = make(model_dir, critic={"lr": 1e-2, "warmup_steps": 4})
+    lrs = [trainer.optimizer_step(batch())["critic_lr"] for _ in range(6)]
+    assert lrs == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2, 1e-2])
+
+
+def test_the_policy_stays_frozen_while_the_critic_fits(model_dir):
+    """critic.policy_frozen_steps (verl's critic_warmup): the first steps train the critic only; the policy's
+    weights do not move, the versions still count (the engines sample the same weights), nothing is 'skipped'."""
+    trainer = make(model_dir, policy_loss="ppo_clip", critic={"policy_frozen_steps": 3})
+    before = {n: t.clone() for n, t in trainer.full_parameters()}
+    stats = [trainer.optimizer_step(batch()) for _ in range(3)]
+    frozen = {n: t.clone() for n, t in trainer.full_parameters()}
+    assert all(torch.equal(before[n], frozen[n]) for n in before)
+    assert [s["policy_frozen"] for s in stats] == [1.0, 1.0, 1.0] and trainer.version == 3
+    assert all(s["skipped"] == 0 and s["critic_updates_applied"] == 2 for s in stats)
+    assert stats[-1]["critic_loss"] < stats[0]["critic_loss"]
+    moved = trainer.optimizer_step(batch())
+    assert moved["policy_frozen"] == 0 and moved["updates_applied"] == 1
+    assert any(not torch.equal(frozen[n], t) for n, t in trainer.full_parameters())

@@ -81,9 +81,10 @@ def test_the_state_file_is_rewritten_in_place(tmp_path):
     f.close()
 
 
-def test_actor_stops_the_run_when_every_group_is_dropped(tmp_path, tiny_model_dir):
-    """A collapsed policy (every group all wrong or all right) would make the actor regenerate forever: after
-    `actor.max_dropped_in_a_row` drops in a row it stops with the reason; a kept group starts the count again."""
+def test_actor_stops_the_run_only_when_the_policy_gets_nothing_right(tmp_path, tiny_model_dir):
+    """A collapsed policy (every group all wrong) would make the actor regenerate forever: after
+    `actor.max_dropped_in_a_row` all-wrong groups in a row it stops with the reason; a kept group starts the count
+    again, and an all-right group is no collapse: it neither counts nor resets (its problem is retired)."""
     cfg = load_config(None, [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "sampling.group_size=2",
                              "trainer.samples_per_step=2", "actor.dynamic_sampling=true",
                              "actor.max_dropped_in_a_row=3"])
@@ -96,13 +97,49 @@ def test_actor_stops_the_run_when_every_group_is_dropped(tmp_path, tiny_model_di
     for _ in range(2):
         actor._stream_group(group(wrong, wrong))
     actor._stream_group(group(right, wrong))  # kept: the count starts again
-    actor._stream_group(group(right, right))
+    for _ in range(5):
+        actor._stream_group(group(right, right))  # solved: not a collapse
+    actor._stream_group(group(wrong, wrong))
     actor._stream_group(group(wrong, wrong))
     assert actor.stalled is None and not actor.done
+    actor._stream_group(group(right, right))
     actor._stream_group(group(wrong, wrong))
-    assert actor.done and "dropped 3 groups in a row" in actor.stalled
-    assert "4 all wrong, 1 all right, 1 kept" in actor.stalled and "actor.max_dropped_in_a_row" in actor.stalled
+    assert actor.done and "dropped 3 groups in a row whose answers were all wrong" in actor.stalled
+    assert "5 all wrong, 6 all right, 1 kept" in actor.stalled and "actor.max_dropped_in_a_row" in actor.stalled
     actor.samples.close()
+
+
+def test_solved_problems_leave_the_pool_and_a_solved_pool_ends_the_run(tmp_path, tiny_model_dir):
+    """ProRL / DAPO: a problem whose answers all came back right is not sampled again (and stays retired after a
+    restart); once every problem is retired the actor ends the run as a success (no stall)."""
+    base = [f"run_dir={tmp_path}", f"model.path={tiny_model_dir}", "sampling.group_size=2",
+            "trainer.samples_per_step=2", "actor.dynamic_sampling=true"]
+
+    def actor_of_four_problems() -> Actor:
+        actor = Actor(load_config(None, base), [])
+        actor.problems, actor.order = actor.problems[:4], [2, 0, 3, 1]
+        return actor
+
+    actor = actor_of_four_problems()
+    right = RewardResult(1.0, {"correct": 1.0})
+    wrong = RewardResult(0.0, {"correct": 0.0})
+
+    def group(*results: RewardResult) -> list[Sample]:
+        return [actor._sample("g", [1, 2], [5], [-0.5], [0], "stop", r, {}) for r in results]
+
+    solved = actor._take_problem()
+    actor._stream_group(group(right, right), solved)
+    actor._stream_group(group(right, wrong), actor._take_problem())  # kept: stays in the pool
+    assert actor.retired == {solved} and actor.counts["problems_retired"] == 1
+    assert solved not in {actor._take_problem() for _ in range(12)}
+    actor.samples.close()
+    actor.state_file.close()
+    again = actor_of_four_problems()  # a restarted actor keeps its pool
+    assert again.retired == {solved}
+    for index in range(4):
+        again._stream_group([again._sample("g", [1], [5], [-0.5], [0], "stop", right, {})] * 2, index)
+    assert again._take_problem() is None and again.pool_solved and again.done and again.stalled is None
+    again.samples.close()
 
 
 def test_the_default_limit_is_ten_steps_of_groups(tmp_path, tiny_model_dir):

@@ -13,12 +13,13 @@ EPYC; Intel Xeons sum in other orders), not a change of formula.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 
-from pipelinerl.config import CriticConfig, TrainerConfig
+from pipelinerl.config import CriticConfig, TrainerConfig, load_config, preset_names
 from pipelinerl.models.tiny import build_tiny_model
 from pipelinerl.samples import Sample
 
@@ -33,44 +34,83 @@ ALGORITHMS: dict[str, dict] = {
                           kl_coef=0.05, kl_in_reward=True, overlong_filtering=True),
     "ppo_gae_critic": dict(policy_loss="ppo_clip", advantage="gae", aggregation="token_mean",
                            critic=CriticConfig(lr=1e-3, updates=2)),
+    "rpp_kl_to_go": dict(policy_loss="ppo_clip", advantage="reinforce_pp_baseline", whiten_over="tokens",
+                         kl_coef=0.05, kl_in_reward=True, kl_reward="to_go"),
+    # every preset of recipes/presets/ as a user loads it (`preset=NAME`), at this test's learning rate and batch
+    **{f"preset_{name}": {} for name in preset_names()},
 }
 
 # fmt: off
 GOLDEN: dict[str, list[tuple[float, float]]] = {
     "decoupled_ppo_minibatches": [
-        (-0.04742763377726078, 2.813061475753784),
-        (0.0915156789124012, 2.7940807342529297),
-        (0.03435519151389599, 5.422485828399658),
+        (-0.04742762632668018, 2.813061475753784),
+        (0.09151586331427097, 2.7940807342529297),
+        (0.034355221316218376, 5.4224853515625),
     ],
     "grpo_kl_loss": [
         (0.5373909845948219, 1.2961300611495972),
-        (0.33621809631586075, 3.4914615154266357),
-        (0.5064595937728882, 3.169858455657959),
+        (0.3362181968986988, 3.4914610385894775),
+        (0.5064595900475979, 3.1698577404022217),
     ],
     "gspo": [
-        (0.3962469846010208, 0.41022956371307373),
-        (0.24175841361284256, 0.4380764961242676),
-        (0.3663216335698962, 0.5694441795349121),
+        (-0.012083157896995544, 0.5325594544410706),
+        (-0.04884609021246433, 1.2471238374710083),
+        (0.05537208914756775, 1.3691929578781128),
     ],
     "ppo_clip_dual": [
         (0.2737504094839096, 0.5288376808166504),
-        (0.17604918591678143, 1.4761768579483032),
-        (0.24607641622424126, 1.0482673645019531),
+        (0.17604914121329784, 1.4761773347854614),
+        (0.24607634916901588, 1.0482676029205322),
     ],
     "ppo_gae_critic": [
-        (0.30853158980607986, 0.5827153921127319),
-        (0.1549031399190426, 1.2047979831695557),
-        (0.25995355658233166, 1.4616780281066895),
+        (0.30853158980607986, 0.5827154517173767),
+        (0.1553790345788002, 1.1995147466659546),
+        (0.25900697335600853, 1.4742597341537476),
+    ],
+    "preset_areal": [
+        (0.003444553352892399, 1.2115297317504883),
+        (0.016771551687270403, 1.2489514350891113),
+        (-0.017645286861807108, 2.9497663974761963),
+    ],
+    "preset_dapo": [
+        (0.2737504094839096, 0.5288376808166504),
+        (0.1761998701840639, 1.473669409751892),
+        (0.2459023930132389, 1.045086145401001),
+    ],
+    "preset_gspo": [
+        (-0.012083157896995544, 0.5325594544410706),
+        (-0.04884609021246433, 1.2471238374710083),
+        (0.05537208914756775, 1.3691929578781128),
+    ],
+    "preset_orz": [
+        (0.30853158980607986, 0.5827154517173767),
+        (0.1621815674006939, 1.2286083698272705),
+        (0.25401228852570057, 1.4795398712158203),
+    ],
+    "preset_pipelinerl": [
+        (0.19240066409111023, 1.313765525817871),
+        (0.3291532136499882, 3.0795087814331055),
+        (-0.23596026748418808, 2.6643946170806885),
+    ],
+    "preset_prorl_v2": [
+        (0.2918602116405964, 0.44635772705078125),
+        (0.1918601132929325, 1.0360023975372314),
+        (0.2468757089227438, 0.6920399069786072),
     ],
     "reinforce_is": [
         (0.2681032419204712, 1.8306838274002075),
-        (0.4587664157152176, 4.2917304039001465),
-        (-0.36386504024267197, 3.7859997749328613),
+        (0.45876603573560715, 4.29172945022583),
+        (-0.3638654053211212, 3.7860000133514404),
     ],
     "rpp_kl_reward": [
         (0.6781904697418213, 1.096825122833252),
         (0.5081523754633963, 1.6988515853881836),
-        (0.69674988463521, 0.9811757206916809),
+        (0.6967498995363712, 0.9811756610870361),
+    ],
+    "rpp_kl_to_go": [
+        (0.8710528910160065, 1.594628095626831),
+        (0.40014330483973026, 4.312903881072998),
+        (0.613096322864294, 4.0505499839782715),
     ],
 }
 # fmt: on
@@ -97,7 +137,16 @@ def batches() -> list[list[Sample]]:
 def run(model_dir: str | Path, algorithm: str) -> list[tuple[float, float]]:
     from pipelinerl.trainer import Trainer
 
-    cfg = TrainerConfig(lr=1e-2, samples_per_step=6, micro_batch_tokens=10, grad_clip=1.0, **ALGORITHMS[algorithm])
+    common = dict(lr=1e-2, samples_per_step=6, micro_batch_tokens=10, grad_clip=1.0)
+    if algorithm.startswith("preset_"):
+        preset = load_config(overrides=[f"preset={algorithm.removeprefix('preset_')}", "run_dir=unused",
+                                        "model.path=unused"]).trainer
+        # no warm-up: three steps at a real learning rate, each visible in the numbers
+        gae = preset.advantage == "gae"
+        critic = {"critic": dataclasses.replace(preset.critic, lr=1e-3, warmup_steps=0)} if gae else {}
+        cfg = dataclasses.replace(preset, **common, warmup_steps=0, schedule="constant", **critic)
+    else:
+        cfg = TrainerConfig(**common, **ALGORITHMS[algorithm])
     trainer = Trainer(str(model_dir), cfg, seed=0)
     numbers = []
     for samples in batches():

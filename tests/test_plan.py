@@ -71,7 +71,7 @@ def test_parameter_count_matches_transformers_for_an_odd_shape(tmp_path):
 
 
 def test_zero3_trainer_on_four_gpus_by_hand():
-    cfg = recipe("orz_7b.yaml", "trainer.advantage=grpo")  # the policy alone; the critic's share: the next test
+    cfg = recipe("orz_7b.yaml", "preset=dapo")  # the policy alone (no critic); the critic's share: the next test
     sharding = detect_sharding(cfg)
     assert sharding == Sharding("zero3", 4, source=sharding.source)
     main = trainer_memory(known_shape("Qwen/Qwen2.5-7B"), cfg, sharding, main=True)

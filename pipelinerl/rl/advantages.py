@@ -116,55 +116,62 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, group_ids: Tensor, eps: fl
 
     The group mean removes the prompt's difficulty; dividing by one std over the whole batch (population std
     of the centred values ``a`` of all N samples) normalises the scale without GRPO's per-group reweighting.
-    Because every group's centred values sum to 0, the batch mean of ``a`` is 0 and is not subtracted again.
+    Every group's centred values sum to 0, so the batch mean of ``a`` is 0 (and subtracting it changes nothing).
 
     With ``token_counts`` (each sample's trained tokens, ``[N]``) the whitening is over tokens instead, as
     OpenRLHF and verl do it (``masked_whiten`` of the per-token advantages): every sample's ``a_i`` counts once
     per token, ``A_i = (a_i - mean_tok) / (std_tok + eps)``. Long samples then weigh more in the mean and std, and
     the token-mean of the advantages is 0 rather than the sample mean.
     """
+    return whiten(group_centred(rewards, group_ids), token_counts, eps)
+
+
+def group_centred(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """``r_i - mean_g``, exactly 0 for a group whose rewards are all equal (Dr. GRPO's advantage)."""
     inverse, _, mean, constant = _group_stats(rewards, group_ids)
-    centered = torch.where(constant[inverse], torch.zeros_like(rewards), rewards - mean[inverse])
-    if centered.numel() == 0:
-        return centered
-    if token_counts is None:
-        std = centered.std(unbiased=False)
-        return centered / (std + eps)
-    weights = token_counts.to(centered.dtype)
-    total = weights.sum().clamp(min=1)
-    token_mean = (weights * centered).sum() / total
-    token_std = ((weights * (centered - token_mean).square()).sum() / total).sqrt()
-    return (centered - token_mean) / (token_std + eps)
+    return torch.where(constant[inverse], torch.zeros_like(rewards), rewards - mean[inverse])
+
+
+def whiten(values: Tensor, weights: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """``(x - mean) / (std + eps)`` over the batch, the population std; with ``weights`` (e.g. each sample's
+    trained tokens) a weighted mean and std, each value counting that many times."""
+    if values.numel() == 0:
+        return values
+    w = torch.ones_like(values) if weights is None else weights.to(values.dtype)
+    total = w.sum().clamp(min=1e-12)
+    mean = (w * values).sum() / total
+    std = ((w * (values - mean).square()).sum() / total).sqrt()
+    return (values - mean) / (std + eps)
 
 
 # --- the registered estimators (trainer.advantage), one call signature for all: see pipelinerl/rl/registry.py
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", reads=("group_std_unbiased",))
 def _grpo(inputs: AdvantageInputs, cfg: TrainerConfig) -> Tensor:
     """:func:`grpo_advantages`; ``trainer.group_std_unbiased`` divides the group variance by n - 1 (verl, TRL)."""
     return grpo_advantages(inputs.rewards, inputs.group_ids, unbiased=cfg.group_std_unbiased)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", reads=())
 def _dr_grpo(inputs: AdvantageInputs, cfg: TrainerConfig) -> Tensor:
     return dr_grpo_advantages(inputs.rewards, inputs.group_ids)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", reads=())
 def _rloo(inputs: AdvantageInputs, cfg: TrainerConfig) -> Tensor:
     return rloo_advantages(inputs.rewards, inputs.group_ids)
 
 
-@register_advantage("reinforce_pp_baseline")
+@register_advantage("reinforce_pp_baseline", reads=("whiten_over",), whitened=True)
 def _reinforce_pp_baseline(inputs: AdvantageInputs, cfg: TrainerConfig) -> Tensor:
-    """:func:`reinforce_pp_baseline_advantages`, whitened over samples or (``trainer.whiten_over: tokens``) over
-    tokens."""
-    counts = inputs.lengths if cfg.whiten_over == "tokens" else None
-    return reinforce_pp_baseline_advantages(inputs.rewards, inputs.group_ids, token_counts=counts)
+    """:func:`reinforce_pp_baseline_advantages`: the group-centred rewards here; the trainer whitens them over the
+    batch's samples or (``trainer.whiten_over: tokens``) tokens, after the KL-to-go where there is one
+    (``trainer.kl_reward: to_go``, OpenRLHF's order)."""
+    return group_centred(inputs.rewards, inputs.group_ids)
 
 
-@register_advantage("gae", token_level=True)
+@register_advantage("gae", token_level=True, reads=("critic",))
 def _gae(inputs: AdvantageInputs, cfg: TrainerConfig) -> Tensor:
     """PPO with a critic (ORZ): generalised advantage estimation over each sample's tokens from the critic's values
     (``trainer.critic``), computed by the trainer with ``pipelinerl.rl.values.gae_advantages``."""

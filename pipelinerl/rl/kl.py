@@ -41,6 +41,31 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k3") -> 
     raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
 
 
+def kl_to_go(kl: Tensor, mask: Tensor, seq_ids: Tensor) -> Tensor:
+    """Each token's KL reward-to-go in a packed ``[T]`` layout: the sum of ``kl`` over the masked tokens of its own
+    sequence from it to the sequence's end (0 off ``mask``). With the outcome reward on the last token and
+    gamma = 1, the return at token t is ``reward - kl_coef * kl_to_go[t]`` (OpenRLHF's REINFORCE++ returns).
+    A sequence's tokens need not be contiguous (a shared prompt may sit between): they are summed in order."""
+    if not (kl.shape == mask.shape == seq_ids.shape) or kl.ndim != 1:
+        raise ValueError(f"kl, mask and seq_ids must be [T] tensors of one shape, got {tuple(kl.shape)}, "
+                         f"{tuple(mask.shape)}, {tuple(seq_ids.shape)}")
+    x = torch.where(mask.bool(), kl, torch.zeros_like(kl))
+    order = torch.sort(seq_ids, stable=True).indices  # each sequence's tokens together, in their order
+    xs, ids = x[order], seq_ids[order]
+    suffix = xs.flip(0).cumsum(0).flip(0)  # from each token to the end of the row, in sequence order
+    # the part of that suffix that belongs to later sequences: the suffix at the next sequence's first token
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    start_suffix = torch.where(starts, suffix, torch.zeros_like(suffix))
+    start_pos = starts.nonzero().squeeze(1)
+    seq_index = starts.long().cumsum(0) - 1  # dense index of each token's sequence
+    after = torch.cat([start_suffix[start_pos[1:]], suffix.new_zeros(1)])  # suffix of the next sequence's start
+    next_start = after[seq_index]
+    out = torch.empty_like(x)
+    out[order] = suffix - next_start
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
 @dataclass
 class ReferenceResetPolicy:
     """When to hard-reset the KL reference policy to the current policy (ProRL v2).

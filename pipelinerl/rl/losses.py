@@ -284,8 +284,9 @@ def aggregate(
     """Reduce a per-token loss to the scalar to back-propagate.
 
     * ``"token_sum_norm"`` (PipelineRL): ``sum_t loss_t / num_sequences``, where ``num_sequences`` is the
-      fixed number of sequences in the whole optimizer step (required). Every token then has the same weight
-      whatever micro-batch it lands in, so summing the micro-batch losses gives the step's loss.
+      number of sequences in the whole optimizer update (required; the trainer passes the batch it trains). Every
+      token then has the same weight whatever micro-batch it lands in, so summing the micro-batch losses gives the
+      step's loss.
     * ``"token_mean"`` (DAPO): ``sum_t loss_t / num_tokens``; ``num_tokens`` defaults to the masked tokens
       of this call; pass the step's total when accumulating micro-batches.
     * ``"seq_mean"`` (GRPO, GSPO): ``sum_i mean_{t in i} loss_t / n``: each sequence's token mean, averaged
@@ -339,13 +340,14 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 # --- the registered policy losses (trainer.policy_loss), one call signature for all: see pipelinerl/rl/registry.py
 
 
-@register_policy_loss("reinforce_is", zero_without_advantage=True)
+@register_policy_loss("reinforce_is", zero_without_advantage=True, reads=("is_cap",))
 def _reinforce_is(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """PipelineRL's default: :func:`reinforce_is_loss` with ``trainer.is_cap``."""
+    """Importance-weighted REINFORCE: :func:`reinforce_is_loss` with ``trainer.is_cap``. PipelineRL's own loss is
+    this with a cap of 1.02 (its ``epsilon_high`` 0.02): ``recipes/presets/pipelinerl.yaml``."""
     return reinforce_is_loss(logprobs, inputs.behav_logprobs, inputs.advantages, inputs.mask, cfg.is_cap)
 
 
-@register_policy_loss("ppo_clip", zero_without_advantage=True)
+@register_policy_loss("ppo_clip", zero_without_advantage=True, reads=("clip_low", "clip_high", "clip_ratio_c"))
 def _ppo_clip(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`ppo_clip_loss` around the behaviour policy (the engine's log-probs): the ratio both corrects and
     bounds the staleness of in-flight samples ("coupled" PPO, AReaL's baseline), and with
@@ -354,17 +356,41 @@ def _ppo_clip(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple
                          cfg.clip_high, cfg.clip_ratio_c)
 
 
-@register_policy_loss("decoupled_ppo", needs_proximal=True, zero_without_advantage=True)
+def _behav_cap(cfg: TrainerConfig) -> float | None:
+    """trainer.behav_imp_weight_cap, 0 meaning no cap."""
+    return cfg.behav_imp_weight_cap or None
+
+
+@register_policy_loss("decoupled_ppo", needs_proximal=True, zero_without_advantage=True,
+                      reads=("clip_low", "clip_high", "clip_ratio_c", "behav_imp_weight_cap",
+                             "importance_sampling_level"),
+                      # AReaL's default and its advice: without a cap one token far off the behaviour policy can
+                      # carry a weight of thousands
+                      defaults={"behav_imp_weight_cap": 5.0})
 def _decoupled_ppo(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """:func:`decoupled_ppo_loss` with ``trainer.behav_imp_weight_cap`` and ``importance_sampling_level``."""
+    """:func:`decoupled_ppo_loss` with ``trainer.behav_imp_weight_cap`` (5 unless set; 0: none) and
+    ``importance_sampling_level``."""
     return decoupled_ppo_loss(logprobs, inputs.prox_logprobs, inputs.behav_logprobs, inputs.advantages, inputs.mask,
-                              cfg.clip_low, cfg.clip_high, cfg.behav_imp_weight_cap, cfg.clip_ratio_c,
+                              cfg.clip_low, cfg.clip_high, _behav_cap(cfg), cfg.clip_ratio_c,
                               inputs.seq_ids, cfg.importance_sampling_level)
 
 
-@register_policy_loss("gspo", clip=(3e-4, 4e-4), aggregation="seq_mean", zero_without_advantage=True)
+@register_policy_loss("gspo", needs_proximal=True, clip=(3e-4, 4e-4), aggregation="seq_mean",
+                      zero_without_advantage=True, reads=("clip_low", "clip_high", "behav_imp_weight_cap"))
 def _gspo(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """:func:`gspo_loss` around the behaviour policy, with GSPO's own clip range and sequence-mean aggregation
-    unless the config sets them."""
-    return gspo_loss(logprobs, inputs.behav_logprobs, inputs.advantages, inputs.mask, cfg.clip_low, cfg.clip_high,
-                     seq_ids=inputs.seq_ids)
+    """GSPO's sequence-level trust region taken around the proximal policy (the trainer's weights before the
+    batch's first update, as verl recomputes its old log-probs), so that the ratio is 1 at the first update
+    whatever the samples' lag; the behaviour policy's staleness is corrected apart, by the detached per-token
+    weight ``pi_prox / pi_behav`` (tokens above ``trainer.behav_imp_weight_cap`` dropped; unset: none), as in
+    decoupled PPO. GSPO's own clip range and sequence-mean aggregation unless the config sets them.
+
+    Around the behaviour policy instead, a sample one version stale is already outside GSPO's 3e-4 range before
+    any update, and the clip acts as a staleness filter (half the sequences of the tiny recipe at lag 1)."""
+    loss, stats = decoupled_ppo_loss(logprobs, inputs.prox_logprobs, inputs.behav_logprobs, inputs.advantages,
+                                     inputs.mask, cfg.clip_low, cfg.clip_high, _behav_cap(cfg),
+                                     seq_ids=inputs.seq_ids, importance_sampling_level="sequence")
+    _, seq_ratio = _sequence_ratio(logprobs, inputs.prox_logprobs, _bool_mask(inputs.mask, logprobs), inputs.seq_ids)
+    has_tokens = ~torch.isnan(seq_ratio)
+    stats["seq_ratio_mean"] = masked_mean(seq_ratio.nan_to_num(), has_tokens)
+    stats["seq_ratio_max"] = masked_max(seq_ratio.nan_to_num(), has_tokens)
+    return loss, stats

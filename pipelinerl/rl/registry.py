@@ -32,8 +32,8 @@ The calls:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -69,6 +69,13 @@ class AdvantageInputs:
     lengths: Tensor  # float, the tokens of each sample that are trained on (for token-level whitening)
 
 
+# The trainer settings that belong to one algorithm or another. Each registered loss and estimator declares the
+# ones it reads (`reads`); a recipe that sets one the chosen algorithm does not read gets a config error naming the
+# key, instead of a run that silently ignores it (TrainerConfig checks this against `reads_key`).
+ALGORITHM_KEYS = ("clip_low", "clip_high", "clip_ratio_c", "behav_imp_weight_cap", "importance_sampling_level",
+                  "is_cap", "group_std_unbiased", "whiten_over", "policy_loss_args", "critic")
+
+
 @dataclass(frozen=True)
 class PolicyLossSpec:
     name: str
@@ -80,6 +87,10 @@ class PolicyLossSpec:
     # advantage 0 out of its forward and backward passes (trainer.skip_zero_advantage). False for a loss of your
     # own unless it says so: a term that does not scale with the advantage would be silently dropped.
     zero_without_advantage: bool = False
+    # the ALGORITHM_KEYS of trainer.* this loss reads; None (a loss of your own that does not say): not checked
+    reads: tuple[str, ...] | None = None
+    # values for settings the recipe leaves unset (None), e.g. decoupled PPO's behaviour-weight cap
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,16 @@ class AdvantageSpec:
     name: str
     fn: Callable[..., Tensor] | None
     token_level: bool = False  # needs the critic's per-token values (trainer.critic)
+    reads: tuple[str, ...] | None = None  # as PolicyLossSpec.reads
+    # The estimator's output is normalised over the whole batch (std 1, over samples or tokens: trainer.whiten_over)
+    # by the trainer, after it: `fn` returns the centred advantages. With trainer.kl_reward: to_go the per-token KL
+    # enters between the two, as in OpenRLHF's REINFORCE++.
+    whitened: bool = False
+
+
+def reads_key(spec: PolicyLossSpec | AdvantageSpec, key: str) -> bool:
+    """Whether the algorithm reads `trainer.<key>` (an algorithm that does not declare its keys reads any)."""
+    return spec.reads is None or key in spec.reads
 
 
 _POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
@@ -94,15 +115,20 @@ _ADVANTAGES: dict[str, AdvantageSpec] = {}
 
 
 def register_policy_loss(name: str, *, needs_proximal: bool = False, clip: tuple[float, float] = (0.2, 0.28),
-                         aggregation: str = "token_sum_norm", zero_without_advantage: bool = False) -> Callable:
-    """Decorator: make ``fn`` the policy loss ``trainer.policy_loss: name``."""
+                         aggregation: str = "token_sum_norm", zero_without_advantage: bool = False,
+                         reads: Sequence[str] | None = None, defaults: Mapping[str, Any] | None = None
+                         ) -> Callable:
+    """Decorator: make ``fn`` the policy loss ``trainer.policy_loss: name``. ``reads``: the trainer settings of
+    ``ALGORITHM_KEYS`` it uses (unset: not checked); ``defaults``: values for those the recipe leaves unset."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"policy loss {name!r}: aggregation must be one of {', '.join(AGGREGATIONS)}")
+    _check_keys(name, reads, defaults)
 
     def add(fn: Callable) -> Callable:
         if name in _POLICY_LOSSES and _POLICY_LOSSES[name].fn is not fn:
             raise ValueError(f"a policy loss named {name!r} is already registered ({_POLICY_LOSSES[name].fn})")
-        spec = PolicyLossSpec(name, fn, needs_proximal, tuple(clip), aggregation, zero_without_advantage)
+        spec = PolicyLossSpec(name, fn, needs_proximal, tuple(clip), aggregation, zero_without_advantage,
+                              None if reads is None else tuple(reads), dict(defaults or {}))
         _POLICY_LOSSES[name] = spec
         fn.policy_loss_spec = spec
         return fn
@@ -110,18 +136,29 @@ def register_policy_loss(name: str, *, needs_proximal: bool = False, clip: tuple
     return add
 
 
-def register_advantage(name: str, *, token_level: bool = False) -> Callable:
+def register_advantage(name: str, *, token_level: bool = False, reads: Sequence[str] | None = None,
+                       whitened: bool = False) -> Callable:
     """Decorator: make ``fn`` the advantage estimator ``trainer.advantage: name``."""
+    _check_keys(name, reads, None)
 
     def add(fn: Callable) -> Callable:
         if name in _ADVANTAGES and _ADVANTAGES[name].fn is not fn:
             raise ValueError(f"an advantage estimator named {name!r} is already registered ({_ADVANTAGES[name].fn})")
-        spec = AdvantageSpec(name, fn, token_level)
+        spec = AdvantageSpec(name, fn, token_level, None if reads is None else tuple(reads), whitened)
         _ADVANTAGES[name] = spec
         fn.advantage_spec = spec
         return fn
 
     return add
+
+
+def _check_keys(name: str, reads: Sequence[str] | None, defaults: Mapping[str, Any] | None) -> None:
+    unknown = [k for k in [*(reads or ()), *(defaults or {})] if k not in ALGORITHM_KEYS]
+    if unknown:
+        raise ValueError(f"{name!r}: {unknown} are not algorithm settings ({', '.join(ALGORITHM_KEYS)})")
+    missing = [k for k in (defaults or {}) if reads is not None and k not in reads]
+    if missing:
+        raise ValueError(f"{name!r}: defaults for {missing}, which it does not read")
 
 
 def _load_builtins() -> None:
@@ -162,6 +199,13 @@ def advantage(name: str) -> AdvantageSpec:
         raise KeyError(f"unknown advantage estimator {name!r}; registered: {', '.join(sorted(_ADVANTAGES))} (or "
                        "name a function as package.module:function)")
     return _ADVANTAGES[name]
+
+
+def readers(key: str) -> list[str]:
+    """The registered losses and estimators that read `trainer.<key>`, for error messages."""
+    _load_builtins()
+    specs = [*_POLICY_LOSSES.values(), *_ADVANTAGES.values()]
+    return sorted(s.name for s in specs if s.reads is not None and key in s.reads)
 
 
 def policy_loss_names() -> list[str]:

@@ -26,6 +26,7 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
+from pipelinerl.rl.advantages import whiten
 from pipelinerl.rl.packing import PackedBatch, build_packed_batch, pack_sequences
 from pipelinerl.rl.registry import AdvantageInputs, advantage
 from pipelinerl.samples import Sample
@@ -147,9 +148,11 @@ def dense_group_ids(samples: Sequence[Sample]) -> Tensor:
     return torch.tensor([labels.setdefault(s.group_id, len(labels)) for s in samples], dtype=torch.long)
 
 
-def sample_advantages(step: StepBatch, cfg: TrainerConfig, rewards: Tensor | None = None) -> Tensor:
+def sample_advantages(step: StepBatch, cfg: TrainerConfig, rewards: Tensor | None = None, whitened: bool = True
+                      ) -> Tensor:
     """One advantage per sample from the registered estimator `trainer.advantage` (rewards: the samples' own,
-    unless given, e.g. less a KL penalty)."""
+    unless given, e.g. less a KL penalty), normalised over the batch where the estimator is `whitened` (unless
+    `whitened` is False: the trainer then whitens per-token values itself)."""
     spec = advantage(cfg.advantage)
     if spec.token_level:
         raise ValueError(f"trainer.advantage {cfg.advantage!r} is computed per token (with the critic), not per sample")
@@ -159,6 +162,8 @@ def sample_advantages(step: StepBatch, cfg: TrainerConfig, rewards: Tensor | Non
     if adv.shape != (step.num_samples,):
         raise ValueError(f"advantage estimator {cfg.advantage!r} returned shape {tuple(adv.shape)}, expected "
                          f"({step.num_samples},): one advantage per sample")
+    if spec.whitened and whitened:
+        adv = whiten(adv, step.trained_tokens if cfg.whiten_over == "tokens" else None)
     return adv
 
 

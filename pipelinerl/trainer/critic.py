@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,9 @@ class Critic:
     """V(s) for every token, GAE from it, and its own training on the returns."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig, accelerator: Accelerator, attn_implementation: str,
-                 onednn_shapes: set[tuple[int, int]] | None = None):
+                 onednn_shapes: set[tuple[int, int]] | None = None, seed: int = 0):
         self.cfg, self.critic_cfg, self.accelerator = cfg, cfg.critic, accelerator
+        self.seed = seed
         config = AutoConfig.from_pretrained(model_path, num_labels=1)
         config.classifier_dropout = 0.0  # a regression target: no dropout on the head (transformers' default 0.1)
         model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32,
@@ -64,12 +66,13 @@ class Critic:
 
     # --- values and advantages --------------------------------------------------------------------------------
 
-    def values(self, p: PackedBatch) -> Tensor:
+    def values(self, p: PackedBatch, attention: str = "auto") -> Tensor:
         """V(s_t) for every token t of a packed row, ``[T]`` float32, aligned with ``input_ids`` as log-probs are:
         the value of the state before token t is the head's output after token t - 1 of t's sequence (0 at a
-        sequence's first token, which no state precedes)."""
+        sequence's first token, which no state precedes). `attention`: the row's layout (`rl.packing`; "auto"
+        chooses padded rows or one row under a block-diagonal mask, as for the policy)."""
         dtype = next(self.model.parameters()).dtype
-        kwargs, index = packed_model_inputs(p, self._impl, "auto", self._config, dtype)
+        kwargs, index = packed_model_inputs(p, self._impl, attention, self._config, dtype)
         with self.accelerator.autocast():
             per_token = self.model(**kwargs).logits[..., 0].reshape(-1).float()
         positions = p.label_mask.nonzero().squeeze(1)
@@ -125,13 +128,23 @@ class Critic:
 
     # --- training ----------------------------------------------------------------------------------------------
 
-    def update(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+    def lr_at(self, step: int) -> float:
+        """The critic's learning rate at trainer step `step` (0-based): linear warm-up over `critic.warmup_steps`,
+        then constant (ORZ's schedule). Derived from the trainer's step, so a resumed run continues it."""
+        c = self.critic_cfg
+        return c.lr * min(1.0, (step + 1) / c.warmup_steps) if c.warmup_steps else c.lr
+
+    def update(self, micro_batches: list[MicroBatch], step: int = 0) -> dict[str, float]:
         """`critic.updates` optimizer updates, one pass over the step's samples split into that many parts (ORZ's
-        `critic_update_steps`; each data-parallel rank splits its own share, as ORZ's ranks split their buffers);
-        each regresses V on the returns with the clipped value loss, its token mean over the part's trained tokens
-        on all ranks. A NaN/inf update is skipped."""
+        `critic_update_steps`; each data-parallel rank splits its own share, as ORZ's ranks split their buffers),
+        in a random order seeded by the run's seed and `step` (`critic.shuffle`); each regresses V on the returns
+        with the clipped value loss, its token mean over the part's trained tokens on all ranks. A NaN/inf update
+        is skipped."""
         acc = self.accelerator
-        groups = self._update_groups(micro_batches)
+        lr = self.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        groups = self._update_groups(micro_batches, step)
         losses, clip_fracs, grad_norms, applied = [], [], [], 0
         self.model.train()
         for group in groups:
@@ -167,9 +180,9 @@ class Critic:
         # each group's loss is taken before its own update, on data the critic has not been fitted on this step
         return {"critic_loss": sum(losses) / len(losses),
                 "critic_value_clip_frac": sum(clip_fracs) / len(clip_fracs), "critic_grad_norm": grad_norms[-1],
-                "critic_updates_applied": float(applied)}
+                "critic_updates_applied": float(applied), "critic_lr": lr}
 
-    def _update_groups(self, micro_batches: list[MicroBatch]) -> list[list[MicroBatch]]:
+    def _update_groups(self, micro_batches: list[MicroBatch], step: int = 0) -> list[list[MicroBatch]]:
         """This rank's samples (with their values and returns) in `critic.updates` parts, each packed into
         micro-batches of at most `trainer.micro_batch_tokens`. Every rank makes as many parts (fewer updates if a
         rank has fewer samples than that), each of as many micro-batches: ZeRO-3 and FSDP gather parameters
@@ -183,6 +196,8 @@ class Critic:
             ids = p.input_ids[0].split(p.lengths)
             fields = {k: p.fields[k].split(p.lengths) for k in keys}
             samples += [(ids[j].tolist(), {k: fields[k][j] for k in keys}) for j in range(p.num_sequences)]
+        if self.critic_cfg.shuffle:  # the same order on a rerun and a resume; a rank shuffles its own share
+            random.Random(f"{self.seed}/{step}/{self.accelerator.process_index}").shuffle(samples)
         parts = self._all_reduce_int(max(1, min(self.critic_cfg.updates, len(samples))), dist.ReduceOp.MIN)
         groups = [self._pack(part) for part in _split(samples, parts)]
         filler = MicroBatch(micro_batches[0].packed, [], weight=0.0)

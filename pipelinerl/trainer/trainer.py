@@ -24,6 +24,7 @@ import functools
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,7 +38,7 @@ from transformers import AutoModelForCausalLM
 from pipelinerl.config import TrainerConfig, WeightSyncConfig
 from pipelinerl.contracts.trainer import BroadcastStats
 from pipelinerl.rl import registry
-from pipelinerl.rl.kl import KLCoefficient, ReferenceResetPolicy, kl_estimate, reset_reference
+from pipelinerl.rl.kl import KLCoefficient, ReferenceResetPolicy, kl_estimate, kl_to_go, reset_reference
 from pipelinerl.rl.losses import aggregate
 from pipelinerl.rl.packing import (
     PackedBatch,
@@ -171,7 +172,7 @@ class Trainer:
         # PPO with a value model (an advantage estimator with token_level=True, i.e. gae): prepared after the policy
         # so accelerate's checkpoints list the policy first, as older checkpoints have it
         self.critic = (Critic(self.model_path, self.cfg, self.accelerator, self.attn_implementation,
-                              self.onednn_shapes)
+                              self.onednn_shapes, seed)
                        if self.adv_spec.token_level else None)
         # samples with advantage 0 left out of the passes where nothing but the policy loss would see them
         self.skips_zero_advantage = (c.skip_zero_advantage and self.loss_spec.zero_without_advantage
@@ -184,6 +185,9 @@ class Trainer:
         self._share_prompts = (functools.partial(shared_prompts_are_cheaper, config=model.config)
                                if c.share_prompts and self.critic is None
                                and self.attn_implementation in ("sdpa", "eager") else None)
+        # the policy before the batch's first update, for a loss that takes its trust region there and for every
+        # loss with several updates per batch (LossInputs.prox_logprobs)
+        self.needs_proximal = self.loss_spec.needs_proximal or c.ppo_minibatches > 1
         self._version = 0
         self.step = 0  # optimizer_step calls, skipped ones included
 
@@ -335,7 +339,7 @@ class Trainer:
         self.model.train()
 
         # before any update, with no gradient: the policies the loss compares against, and the critic's values
-        if self.loss_spec.needs_proximal:
+        if self.needs_proximal:
             self._add_logprobs(self.model, every_mb, "prox_logprobs", self._attention)
         if self.ref_model is not None:
             self._add_logprobs(self.ref_model, every_mb, "ref_logprobs", "auto")
@@ -348,15 +352,22 @@ class Trainer:
         first_clip = torch.zeros((), dtype=torch.float64, device=acc.device)
         w_max = torch.zeros((), dtype=torch.float64, device=acc.device)
         grad_norms, applied_updates = [], 0
-        for k, (part, mbs) in enumerate(zip(step.minibatches, minibatches)):
+        loss_stats: dict[str, Tensor] = {}  # the loss's own statistics, token-weighted sums (maxima for *_max)
+        # the critic's warm-up (`trainer.critic.policy_frozen_steps`): no policy pass at all, the weights kept
+        frozen = self.critic is not None and self.step < cfg.critic.policy_frozen_steps
+        for k, (part, mbs) in enumerate([] if frozen else zip(step.minibatches, minibatches)):
             part_sums = torch.zeros_like(sums)
             for i, mb in enumerate(mbs):
                 last = i == len(mbs) - 1
                 with self._no_grad_sync_unless(last):
-                    loss, mb_sums, mb_w_max = self._micro_batch_loss(mb, step, part, kl_coef)
+                    loss, mb_sums, mb_w_max, mb_stats = self._micro_batch_loss(mb, step, part, kl_coef)
                     # DDP / ZeRO / FSDP average gradients over ranks; each rank's loss already has the whole
                     # minibatch's denominator, so scale back up to get the sum.
                     self._backward(update.poisoned_unless_finite(loss) * acc.num_processes * mb.weight, last)
+                for key, value in mb_stats.items():
+                    acc_value = loss_stats.setdefault(key, torch.zeros((), dtype=torch.float64, device=acc.device))
+                    if mb.weight:
+                        loss_stats[key] = torch.maximum(acc_value, value) if key.endswith("_max") else acc_value + value
                 if mb.weight:
                     part_sums += mb_sums
                     w_max = torch.maximum(w_max, mb_w_max)
@@ -372,24 +383,44 @@ class Trainer:
                 first_clip = part_sums[_SUM_KEYS.index("clipped")] / part_sums[_SUM_KEYS.index("tokens")].clamp(min=1)
         w_max = self._all_reduce(w_max, dist.ReduceOp.MAX)
         totals = dict(zip(_SUM_KEYS, sums.tolist()))
+        loss_means = self._reduce_loss_stats(loss_stats, max(totals["tokens"], 1.0))
         totals["loss"] /= len(minibatches)  # each minibatch's loss is a mean over its own samples or tokens
-        critic_stats = self.critic.update(every_mb) if self.critic is not None else {}
+        critic_stats = self.critic.update(every_mb, self.step) if self.critic is not None else {}
 
-        applied = applied_updates > 0
+        applied = applied_updates > 0 or frozen  # a frozen step is a version with the same weights, not a skip
+        grad_norms = grad_norms or [0.0]
         self.step += 1
         ref_reset = False
         if applied:
-            self.scheduler.step()  # the learning-rate schedule counts steps (batches), not minibatch updates
+            with warnings.catch_warnings():  # a frozen step steps the schedule before any optimizer update
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`", UserWarning)
+                self.scheduler.step()  # the learning-rate schedule counts steps (batches), not minibatch updates
             self._version += 1
             self.kl_coef.update(totals["kl"] / max(totals["tokens"], 1.0), step.num_samples)
             ref_reset = self._maybe_reset_reference(totals["kl"] / max(totals["tokens"], 1.0))
-        stats = self._stats(step, totals, float(w_max), grad_norms, lags, lr, applied, ref_reset,
-                            every_mb, time.perf_counter() - start)
-        stats.update(kl_coef=kl_coef, updates_applied=float(applied_updates),
+        # the loss's statistics first: the trainer's own (IS weights and ESS over the whole step) take precedence
+        stats = loss_means | self._stats(step, totals, float(w_max), grad_norms, lags, lr, applied, ref_reset,
+                                         every_mb, time.perf_counter() - start)
+        stats.update(kl_coef=kl_coef, updates_applied=float(applied_updates), policy_frozen=float(frozen),
                      clip_frac_first_minibatch=float(first_clip),
                      clip_frac_later_minibatches=self._later_clip_frac(totals, float(first_clip), step),
                      **critic_stats)
         return stats
+
+    def _reduce_loss_stats(self, loss_stats: dict[str, Tensor], tokens: float) -> dict[str, float]:
+        """The loss's statistics over the step, on all ranks: token-weighted means, `*_max` ones the maximum. Every
+        rank ran as many micro-batches of the same loss, so every rank has the same keys."""
+        keys = sorted(loss_stats)
+        means = [k for k in keys if not k.endswith("_max")]
+        maxes = [k for k in keys if k.endswith("_max")]
+        out = {}
+        if means:
+            summed = self._all_reduce(torch.stack([loss_stats[k] for k in means]))
+            out.update({k: float(v) / tokens for k, v in zip(means, summed.tolist())})
+        if maxes:
+            top = self._all_reduce(torch.stack([loss_stats[k] for k in maxes]), dist.ReduceOp.MAX)
+            out.update(dict(zip(maxes, top.tolist())))
+        return out
 
     def _no_gradient(self, step: StepBatch) -> Tensor:
         """[N] bool: the samples whose every token has loss and gradient 0 (advantage 0, or no token trained on)."""
@@ -448,10 +479,38 @@ class Trainer:
             sums = self._per_sample_sums(step, micro_batches, "advantages")
             step.advantages = (sums / step.trained_tokens.to(sums).clamp(min=1)).to(torch.float32)
             return
+        if kl_sums is not None and cfg.kl_reward == "to_go":
+            self._set_kl_to_go_advantages(step, micro_batches, kl_coef)
+            return
         if kl_sums is not None:
             rewards = rewards - kl_coef * kl_sums
         step.advantages = sample_advantages(step, cfg, rewards.to(torch.float32))
         set_sample_advantages(micro_batches, step.advantages)
+
+    def _set_kl_to_go_advantages(self, step: StepBatch, micro_batches: list[MicroBatch], kl_coef: float) -> None:
+        """`trainer.kl_reward: to_go` (OpenRLHF's REINFORCE++): each token's advantage is its sample's (from the
+        rewards alone) minus `kl_coef` times its KL reward-to-go, then, for a whitened estimator, normalised over
+        the step's trained tokens on all ranks."""
+        centred = sample_advantages(step, self.cfg, step.rewards.to(torch.float32), whitened=False)
+        set_sample_advantages(micro_batches, centred)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.accelerator.device)
+        for mb in micro_batches:
+            f = mb.packed.fields
+            f["advantages"] = f["advantages"] - kl_coef * kl_to_go(f["kl_behav"], f["loss_mask"], mb.packed.seq_ids)
+            if mb.weight:
+                adv = f["advantages"][f["loss_mask"]].double()
+                sums += torch.stack([adv.new_tensor(float(adv.numel())), adv.sum(), adv.square().sum()])
+        if self.adv_spec.whitened:
+            n, total, squares = self._all_reduce(sums).tolist()
+            mean = total / max(n, 1.0)
+            std = math.sqrt(max(squares / max(n, 1.0) - mean * mean, 0.0))
+            for mb in micro_batches:
+                f = mb.packed.fields
+                whitened = (f["advantages"] - mean) / (std + 1e-6)
+                f["advantages"] = torch.where(f["loss_mask"], whitened, torch.zeros_like(whitened))
+        # per-sample stats (adv_mean, adv_std) take each sample's mean advantage over its trained tokens
+        per_sample = self._per_sample_sums(step, micro_batches, "advantages")
+        step.advantages = (per_sample / step.trained_tokens.to(per_sample).clamp(min=1)).to(torch.float32)
 
     def _per_sample_sums(self, step: StepBatch, micro_batches: list[MicroBatch], field: str) -> Tensor:
         """Each sample's sum of a per-token field over the whole step ([N], float64, the same on every rank)."""
@@ -468,9 +527,9 @@ class Trainer:
         return out.cpu()
 
     def _micro_batch_loss(self, mb: MicroBatch, step: StepBatch, part: Minibatch, kl_coef: float
-                          ) -> tuple[Tensor, Tensor, Tensor]:
-        """The micro-batch's share of its minibatch's loss, plus its stat sums (in `_SUM_KEYS` order) and max IS
-        weight."""
+                                  ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
+        """The micro-batch's share of its minibatch's loss, plus its stat sums (in `_SUM_KEYS` order), max IS
+        weight, and the loss's own statistics weighted by its trained tokens (`*_max` ones unweighted)."""
         cfg, p = self.cfg, mb.packed
         mask = p.fields["loss_mask"]
         # the LM head runs in chunks (no [tokens, vocab] logits); the entropy comes from the same chunks, with a
@@ -500,13 +559,15 @@ class Trainer:
                 clip_low * tokens, clip_high * tokens, (clip_low + clip_high) * tokens, dual * tokens,
                 loss_stats.get("behav_capped_frac", zero) * tokens, w.sum(), w.square().sum(),
             ]).to(torch.float64)
-        return loss, sums, w.max().to(torch.float64)
+            # every statistic the loss returns, token-weighted (a `*_max` one as it is, reduced by max)
+            weighted = {k: (v.detach().double() if k.endswith("_max") else v.detach().double() * tokens)
+                        for k, v in loss_stats.items()}
+        return loss, sums, w.max().to(torch.float64), weighted
 
     def _num_sequences(self, part: Minibatch) -> float:
-        """token_sum_norm divides by the fixed samples per update (samples_per_step / ppo_minibatches: every token
-        weighs the same whatever the batch); seq_mean by the sequences of this minibatch."""
-        if self.cfg.aggregation == "token_sum_norm":
-            return self.cfg.samples_per_step / self.cfg.ppo_minibatches
+        """token_sum_norm and seq_mean divide by the samples of the minibatch actually trained (all ranks, those left
+        out of the passes for want of a gradient included), which the trainer contract lets differ from
+        trainer.samples_per_step / ppo_minibatches."""
         return part.num_samples
 
     def _policy_loss(self, logprobs: Tensor, p: PackedBatch) -> tuple[Tensor, dict[str, Tensor]]:
