@@ -177,9 +177,10 @@ class CriticConfig:
     lam: float = 1.0  # GAE lambda (ORZ: 1)
     # advantages normalised to mean 0, std 1 over the batch's tokens (ORZ, OpenRLHF's advantage normalisation)
     whiten_advantages: bool = True
-    # the critic's learning rate rises linearly to `lr` over its first this-many steps, then stays (ORZ: constant
-    # with 50 warm-up steps); 0: constant from the start
-    warmup_steps: int = 0
+    # the critic's learning rate rises linearly to `lr` over its first this-many optimizer updates (`updates` per
+    # trainer step), then stays: ORZ's constant schedule with 50 warm-up steps of its critic's optimizer, about 4
+    # trainer steps at 12 updates each; 0: constant from the start
+    warmup_updates: int = 0
     # each step's critic updates take the batch's samples in a seeded random order (ORZ's DataLoader(shuffle=True));
     # false: contiguous slices in packing order (longest first), one length band per update
     shuffle: bool = True
@@ -194,7 +195,7 @@ class CriticConfig:
         _check(self.value_clip is None or self.value_clip > 0, "trainer.critic.value_clip", "must be > 0 or unset")
         _check(0 <= self.gamma <= 1, "trainer.critic.gamma", "must be in [0, 1]")
         _check(0 <= self.lam <= 1, "trainer.critic.lam", "must be in [0, 1]")
-        _check(self.warmup_steps >= 0, "trainer.critic.warmup_steps", "must be >= 0 (0: no warm-up)")
+        _check(self.warmup_updates >= 0, "trainer.critic.warmup_updates", "must be >= 0 (0: no warm-up)")
         _check(self.policy_frozen_steps >= 0, "trainer.critic.policy_frozen_steps", "must be >= 0 (0: none)")
 
 

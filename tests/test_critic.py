@@ -234,8 +234,9 @@ def test_critic_updates_take_the_batch_in_a_seeded_shuffled_order(model_dir):
 
 
 def test_the_critics_learning_rate_warms_up_then_stays(model_dir):
-    trainer = make(model_dir, critic={"lr": 1e-2, "warmup_steps": 4})
-    lrs = [trainer.optimizer_step(batch())["critic_lr"] for _ in range(6)]
+    """Over its optimizer updates, as ORZ steps its critic's scheduler: 2 updates a step, 8 of warm-up."""
+    trainer = make(model_dir, critic={"lr": 1e-2, "warmup_updates": 8})
+    lrs = [trainer.optimizer_step(batch())["critic_lr"] for _ in range(6)]  # each step's last update
     assert lrs == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2, 1e-2])
 
 

@@ -181,3 +181,27 @@ def test_the_actor_counts_the_batch_the_trainer_is_part_way_through(tmp_path, ti
     control.write({"kind": "version", "version": 3, "consumed": 8, "taking": 2})
     actor._read_control()
     assert (actor.trainer_version, actor.trainer_taking) == (4, 0)
+
+
+def test_the_launcher_ends_a_run_whose_pool_is_solved_as_a_success(tmp_path, capsys):
+    """The actor's POOL_SOLVED_EXIT is no failure: the launcher stops following the run (then stops the trainer,
+    which checkpoints) and says why, instead of reporting a dead actor."""
+    import subprocess
+    import sys
+
+    from pipelinerl.launch import check_roles, follow_pipeline
+    from pipelinerl.procs import POOL_SOLVED_EXIT
+
+    cfg = load_config(None, [f"run_dir={tmp_path}", "model.path=unused"])
+    actor = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({POOL_SOLVED_EXIT})"])
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        actor.wait(timeout=30)
+        children = {"actor": actor, "trainer": trainer}
+        check_roles(children, tmp_path)  # not a failure
+        follow_pipeline(cfg, children, [], tmp_path, lambda: None)  # returns instead of waiting for the trainer
+        assert trainer.poll() is None
+        assert "every training problem was solved" in capsys.readouterr().err
+    finally:
+        trainer.kill()
+        trainer.wait()

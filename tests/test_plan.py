@@ -107,7 +107,7 @@ def test_the_critic_adds_the_base_models_sharded_state():
     the policy's, so only the state adds up."""
     shape = known_shape("Qwen/Qwen2.5-7B")
     with_critic = trainer_memory(shape, recipe("orz_7b.yaml"), detect_sharding(recipe("orz_7b.yaml")))
-    alone = trainer_memory(shape, recipe("orz_7b.yaml", "trainer.advantage=grpo"),
+    alone = trainer_memory(shape, recipe("orz_7b.yaml", "preset=dapo"),
                            detect_sharding(recipe("orz_7b.yaml")))
     critic = with_critic.state[-1]
     assert critic.what == "critic" and critic.bytes == int(N_7B * 16 // 4 * (N_7B - V * H) / N_7B)
@@ -238,7 +238,7 @@ def test_sharding_is_read_from_the_accelerate_and_deepspeed_configs(tmp_path):
     ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
     yaml = tmp_path / "offload.yaml"
     yaml.write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {ds}\n")
-    cfg = recipe("orz_7b.yaml", f"trainer.accelerate_config={yaml}", "trainer.advantage=grpo")
+    cfg = recipe("orz_7b.yaml", f"trainer.accelerate_config={yaml}", "preset=dapo")
     sharding = detect_sharding(cfg)
     assert (sharding.kind, sharding.offload_optimizer, sharding.offload_params) == ("zero3", True, False)
     main = trainer_memory(known_shape("Qwen/Qwen2.5-7B"), cfg, sharding)
@@ -273,7 +273,7 @@ def test_orz_1gpu_fits_with_trainer_and_engine_on_one_gpu():
 
 
 def test_the_table_shows_one_decimal_gib():
-    cfg = recipe("orz_7b.yaml", "trainer.advantage=grpo")
+    cfg = recipe("orz_7b.yaml", "preset=dapo")
     text = format_plan(make_plan(cfg, Cluster(1, 8, 80)), cfg, "recipes/orz_7b.yaml")
     assert "40.8" in text and "54.1" in text and "99 sequences of 10240" in text
 

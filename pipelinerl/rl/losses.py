@@ -376,13 +376,15 @@ def _decoupled_ppo(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> 
 
 
 @register_policy_loss("gspo", needs_proximal=True, clip=(3e-4, 4e-4), aggregation="seq_mean",
-                      zero_without_advantage=True, reads=("clip_low", "clip_high", "behav_imp_weight_cap"))
+                      zero_without_advantage=True, reads=("clip_low", "clip_high", "behav_imp_weight_cap"),
+                      defaults={"behav_imp_weight_cap": 5.0})
 def _gspo(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO's sequence-level trust region taken around the proximal policy (the trainer's weights before the
     batch's first update, as verl recomputes its old log-probs), so that the ratio is 1 at the first update
     whatever the samples' lag; the behaviour policy's staleness is corrected apart, by the detached per-token
-    weight ``pi_prox / pi_behav`` (tokens above ``trainer.behav_imp_weight_cap`` dropped; unset: none), as in
-    decoupled PPO. GSPO's own clip range and sequence-mean aggregation unless the config sets them.
+    weight ``pi_prox / pi_behav`` (tokens above ``trainer.behav_imp_weight_cap`` dropped: 5 unless set, 0 for
+    none), as in decoupled PPO; verl applies no behaviour correction unless asked. GSPO's own clip range and
+    sequence-mean aggregation unless the config sets them.
 
     Around the behaviour policy instead, a sample one version stale is already outside GSPO's 3e-4 range before
     any update, and the clip acts as a staleness filter (half the sequences of the tiny recipe at lag 1)."""

@@ -128,11 +128,13 @@ class Critic:
 
     # --- training ----------------------------------------------------------------------------------------------
 
-    def lr_at(self, step: int) -> float:
-        """The critic's learning rate at trainer step `step` (0-based): linear warm-up over `critic.warmup_steps`,
-        then constant (ORZ's schedule). Derived from the trainer's step, so a resumed run continues it."""
+    def lr_at(self, step: int, update: int = 0) -> float:
+        """The critic's learning rate at its `update`-th update of trainer step `step` (both 0-based): linear warm-up
+        over `critic.warmup_updates` optimizer updates, then constant (ORZ's schedule, stepped per optimizer update).
+        Derived from the trainer's step, so a resumed run continues it."""
         c = self.critic_cfg
-        return c.lr * min(1.0, (step + 1) / c.warmup_steps) if c.warmup_steps else c.lr
+        done = step * c.updates + update
+        return c.lr * min(1.0, (done + 1) / c.warmup_updates) if c.warmup_updates else c.lr
 
     def update(self, micro_batches: list[MicroBatch], step: int = 0) -> dict[str, float]:
         """`critic.updates` optimizer updates, one pass over the step's samples split into that many parts (ORZ's
@@ -141,13 +143,13 @@ class Critic:
         with the clipped value loss, its token mean over the part's trained tokens on all ranks. A NaN/inf update
         is skipped."""
         acc = self.accelerator
-        lr = self.lr_at(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         groups = self._update_groups(micro_batches, step)
         losses, clip_fracs, grad_norms, applied = [], [], [], 0
         self.model.train()
-        for group in groups:
+        for k, group in enumerate(groups):
+            lr = self.lr_at(step, k)
+            for param_group in self.optimizer.param_groups:
+                param_group["lr"] = lr
             tokens = sum(mb.packed.fields["loss_mask"].sum() for mb in group if mb.weight)
             tokens = torch.as_tensor(tokens, dtype=torch.float64, device=acc.device)
             if acc.num_processes > 1:

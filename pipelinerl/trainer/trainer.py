@@ -393,7 +393,7 @@ class Trainer:
         ref_reset = False
         if applied:
             with warnings.catch_warnings():  # a frozen step steps the schedule before any optimizer update
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`", UserWarning)
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
                 self.scheduler.step()  # the learning-rate schedule counts steps (batches), not minibatch updates
             self._version += 1
             self.kl_coef.update(totals["kl"] / max(totals["tokens"], 1.0), step.num_samples)
@@ -457,7 +457,9 @@ class Trainer:
     @torch.no_grad()
     def _add_kl(self, micro_batches: list[MicroBatch]) -> None:
         """The behaviour policy's KL to the reference per token (`kl_behav`), from the engine's log-probs: what the
-        KL-in-reward penalty charges (the sampled tokens' KL, as OpenRLHF computes it before training)."""
+        KL-in-reward penalty charges. OpenRLHF and verl take the actor's log-probs recomputed before training, which
+        are the engine's up to its numerics on a fresh sample; a stale one is charged the KL of the policy that
+        sampled it."""
         for mb in micro_batches:
             f = mb.packed.fields
             kl = kl_estimate(f["behav_logprobs"], f["ref_logprobs"], self.cfg.kl_estimator)
