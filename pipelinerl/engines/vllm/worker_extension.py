@@ -213,11 +213,9 @@ class PipelineRLWorkerExtension:
 
     # --- update --------------------------------------------------------------------------------------------
 
-    def pipelinerl_start_receive(self, payload: str) -> dict:
-        """Start receiving an update on a thread and return at once, so vLLM keeps decoding meanwhile.
-
-        `apply: false` drains a refused update: the tensors are received into scratch memory and dropped, so
-        the trainer and the other engines are not left hanging in the broadcast."""
+    def _pl_update_request(self, payload: str) -> tuple[dict, Any, list[TensorSpec]]:
+        """An update's request, this worker's group and the tensors' specs; refused outside a group or while
+        another update is being received."""
         req = json.loads(payload)
         group = getattr(self, "_pl_group", None)
         if group is None:
@@ -225,7 +223,14 @@ class PipelineRLWorkerExtension:
         pending = getattr(self, "_pl_receive", None)
         if pending is not None and not pending.done.is_set():
             raise RuntimeError("an update is already being received")
-        specs = [TensorSpec(n, DTYPES[d], tuple(s)) for n, d, s in req["specs"]]
+        return req, group, [TensorSpec(n, DTYPES[d], tuple(s)) for n, d, s in req["specs"]]
+
+    def pipelinerl_start_receive(self, payload: str) -> dict:
+        """Start receiving an update on a thread and return at once, so vLLM keeps decoding meanwhile.
+
+        `apply: false` drains a refused update: the tensors are received into scratch memory and dropped, so
+        the trainer and the other engines are not left hanging in the broadcast."""
+        req, group, specs = self._pl_update_request(payload)
         bucket_bytes = int(req.get("bucket_bytes", 0))
         receive = _Receive([s.name for s in specs], bool(req.get("apply", True)), req.get("notify"))
         self._pl_receive = receive
@@ -250,14 +255,7 @@ class PipelineRLWorkerExtension:
         layerwise reload, inside the engine loop (the front has paused generation). Every parameter must be in
         it (the front checks). On a failure midway the layers not yet rebuilt get their old tensors back, so the
         engine can run, with its weights partly new: the front stops generating until a complete update."""
-        req = json.loads(payload)
-        group = getattr(self, "_pl_group", None)
-        if group is None:
-            raise RuntimeError("not in a weight-update group")
-        pending = getattr(self, "_pl_receive", None)
-        if pending is not None and not pending.done.is_set():
-            raise RuntimeError("an update is already being received")
-        specs = [TensorSpec(n, DTYPES[d], tuple(s)) for n, d, s in req["specs"]]
+        req, group, specs = self._pl_update_request(payload)
         names = [s.name for s in specs]
         tied = bool(getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False))
         skip_head = tied and EMBED in names  # vLLM loads a tied head through the embedding only
