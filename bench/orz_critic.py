@@ -106,7 +106,8 @@ def summarise(rows: list[dict], run_dir: Path) -> dict:
 
 def run_arms(arms: list[str], seeds: int, steps: int, root: Path, parallel: int = 2) -> dict:
     data, base = prepare(root)
-    common = [*data_overrides(data), f"model.path={base}", f"trainer.max_steps={steps}",
+    # model.seed 0: the run's seed would otherwise select (and build, over the shared one) a base model of its own
+    common = [*data_overrides(data), f"model.path={base}", "model.seed=0", f"trainer.max_steps={steps}",
               f"trainer.eval_every={steps}", "trainer.save_every=0", "trainer.save_every_minutes=0",
               "actor.max_lag=0"]
     results: dict[str, list[dict]] = {arm: [] for arm in arms}
