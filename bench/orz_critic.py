@@ -15,7 +15,8 @@
   (the recipe's 1e-3), critic 5x that (ORZ: 5e-6 against 1e-6) with a linear warm-up over its first 20 updates,
   shuffled updates, the policy frozen for the first 5 steps while the critic fits (verl's critic_warmup);
 * H: the recipe as it ships (REINFORCE++-baseline with dynamic sampling), synchronous as every arm here;
-* I: A at G's policy learning rate, its critic unchanged: the learning rate alone.
+* I: A at G's policy learning rate, its critic unchanged: the learning rate alone;
+* J: C at that learning rate: the strongest baseline without a critic at the same learning rate.
 
 Arms run seed by seed (seed 0 of every arm, then seed 1, ...), so that a shortened run still compares them on the
 same seeds; a run already finished in runs/orz_critic is read back, not run again.
@@ -50,6 +51,7 @@ ARMS: dict[str, list[str]] = {
           "trainer.critic.warmup_updates=20", "trainer.critic.policy_frozen_steps=5"],
     "H": ["actor.dynamic_sampling=true"],
     "I": [*CRITIC_A, "trainer.lr=2.5e-4"],
+    "J": ["trainer.advantage=reinforce_pp_baseline", "actor.dynamic_sampling=false", "trainer.lr=2.5e-4"],
 }
 DESCRIPTION = {
     "A": "gae, critic lr 1e-4, 4 contiguous updates (the rehearsal's)",
@@ -59,6 +61,7 @@ DESCRIPTION = {
     "G": "gae fitted first at policy lr 2.5e-4: critic 1.25e-3, 20 warm-up updates, shuffled, policy frozen 5 steps",
     "H": "reinforce_pp_baseline with dynamic sampling (the recipe)",
     "I": "A at G's policy lr 2.5e-4 (critic as A)",
+    "J": "C at policy lr 2.5e-4",
 }
 
 
