@@ -303,14 +303,14 @@ STALL_MARK = "dynamic sampling dropped"  # how pipelinerl's actor says it stoppe
 
 def stall_reason(log_text: str) -> str | None:
     """Why a pipelinerl run that exited non-zero stopped, where its actor stopped it because dynamic sampling
-    dropped `actor.max_dropped_in_a_row` groups in a row (a policy that gets whole groups right or wrong, as a
-    run late in training at a high lr does): "stalled: dynamic sampling dropped N groups in a row". Such a run is
+    dropped `actor.max_dropped_in_a_row` all-wrong groups in a row (a policy that gets nothing right any more, as a
+    run late in training at a high lr can): "stalled: dynamic sampling dropped N groups in a row". Such a run is
     reported as stopped, its evaluations so far counting, as a diverged one is; any other failure is None (an
     error)."""
     for line in reversed(log_text.splitlines()):
         at = line.find(STALL_MARK)
         if at >= 0:
-            return "stalled: " + line[at:].split(" (", 1)[0]
+            return "stalled: " + line[at:].split(" (", 1)[0].removesuffix(" whose answers were all wrong")
     return None
 
 

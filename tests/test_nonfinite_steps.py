@@ -204,12 +204,12 @@ def _inject(trainer, fault: str, rank: int):
     original = trainer._micro_batch_loss
 
     def bad_loss(*args, **kwargs):
-        loss, sums, w = original(*args, **kwargs)
+        loss, *rest = original(*args, **kwargs)
         if fault == "nan_loss":
             loss = loss * float("nan")
         else:  # inf_loss_finite_grads
             loss = loss + float("inf")
-        return loss, sums, w
+        return (loss, *rest)
 
     trainer._micro_batch_loss = bad_loss
     return lambda: setattr(trainer, "_micro_batch_loss", original)

@@ -198,9 +198,10 @@ class Critic:
             ids = p.input_ids[0].split(p.lengths)
             fields = {k: p.fields[k].split(p.lengths) for k in keys}
             samples += [(ids[j].tolist(), {k: fields[k][j] for k in keys}) for j in range(p.num_sequences)]
-        if self.critic_cfg.shuffle:  # the same order on a rerun and a resume; a rank shuffles its own share
-            random.Random(f"{self.seed}/{step}/{self.accelerator.process_index}").shuffle(samples)
         parts = self._all_reduce_int(max(1, min(self.critic_cfg.updates, len(samples))), dist.ReduceOp.MIN)
+        if self.critic_cfg.shuffle and parts > 1:  # (one part is the whole batch in any order)
+            # the same order on a rerun and a resume; a rank shuffles its own share
+            random.Random(f"{self.seed}/{step}/{self.accelerator.process_index}").shuffle(samples)
         groups = [self._pack(part) for part in _split(samples, parts)]
         filler = MicroBatch(micro_batches[0].packed, [], weight=0.0)
         for group in groups:
