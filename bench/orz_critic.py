@@ -3,7 +3,8 @@
 
 `recipes/orz_cpu.yaml` (ORZ's prompt, stop strings and reward on a tiny model) for `--steps` RL steps, synchronous
 (`actor.max_lag=0`, so that a run's samples depend on its seed alone), every run from one warmed-up base model,
-`--seeds` seeds per arm. The arms (issue 48) change one thing at a time against A:
+`--seeds` seeds per arm (6 by default), two runs side by side (`--parallel`). The arms (issue 48) change one thing
+at a time against A:
 
 * A: PPO-clip with the critic as the rehearsal had it (critic lr 1e-4, 4 updates of contiguous slices in packing
   order, no warm-up), dynamic sampling off;
