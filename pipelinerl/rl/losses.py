@@ -185,15 +185,18 @@ def decoupled_ppo_loss(
     ``seq_ids`` for a packed layout); the behaviour weight stays per token.
 
     Stats: the PPO clip stats of the proximal ratio, plus ``behav_weight_mean`` / ``behav_weight_max`` (before
-    capping) and ``behav_capped_frac``.
+    capping) and ``behav_capped_frac``; at the sequence level also ``seq_ratio_mean`` / ``seq_ratio_max``.
     """
     m = _bool_mask(mask, logprobs)
     if importance_sampling_level == "sequence":
-        ratio, _ = _sequence_ratio(logprobs, prox_logprobs, m, seq_ids)
+        ratio, seq_ratio = _sequence_ratio(logprobs, prox_logprobs, m, seq_ids)
         adv = advantages.detach()
         ppo = torch.where(m, _ppo_clip_terms(ratio, adv, clip_low, clip_high, clip_ratio_c), torch.zeros_like(ratio))
         stats = _clip_fracs(ratio, adv, m, clip_low, clip_high, clip_ratio_c)
         stats.update(ratio_mean=masked_mean(ratio.detach(), m), ratio_max=masked_max(ratio.detach(), m))
+        has_tokens = ~torch.isnan(seq_ratio)
+        stats["seq_ratio_mean"] = masked_mean(seq_ratio.nan_to_num(), has_tokens)
+        stats["seq_ratio_max"] = masked_max(seq_ratio.nan_to_num(), has_tokens)
     elif importance_sampling_level == "token":
         ppo, stats = ppo_clip_loss(logprobs, prox_logprobs, advantages, mask, clip_low, clip_high, clip_ratio_c)
     else:
@@ -388,11 +391,6 @@ def _gspo(logprobs: Tensor, inputs: LossInputs, cfg: TrainerConfig) -> tuple[Ten
 
     Around the behaviour policy instead, a sample one version stale is already outside GSPO's 3e-4 range before
     any update, and the clip acts as a staleness filter (half the sequences of the tiny recipe at lag 1)."""
-    loss, stats = decoupled_ppo_loss(logprobs, inputs.prox_logprobs, inputs.behav_logprobs, inputs.advantages,
-                                     inputs.mask, cfg.clip_low, cfg.clip_high, _behav_cap(cfg),
-                                     seq_ids=inputs.seq_ids, importance_sampling_level="sequence")
-    _, seq_ratio = _sequence_ratio(logprobs, inputs.prox_logprobs, _bool_mask(inputs.mask, logprobs), inputs.seq_ids)
-    has_tokens = ~torch.isnan(seq_ratio)
-    stats["seq_ratio_mean"] = masked_mean(seq_ratio.nan_to_num(), has_tokens)
-    stats["seq_ratio_max"] = masked_max(seq_ratio.nan_to_num(), has_tokens)
-    return loss, stats
+    return decoupled_ppo_loss(logprobs, inputs.prox_logprobs, inputs.behav_logprobs, inputs.advantages, inputs.mask,
+                              cfg.clip_low, cfg.clip_high, _behav_cap(cfg), seq_ids=inputs.seq_ids,
+                              importance_sampling_level="sequence")
