@@ -91,8 +91,10 @@ def _mount_tmpfs(path: Path, megabytes: float) -> bool:
                           capture_output=True).returncode == 0
 
 
-def _resize_tmpfs(path: Path, kilobytes: int) -> None:
-    subprocess.run(["mount", "-o", f"remount,size={kilobytes}k", str(path)], check=True, capture_output=True)
+def _resize_tmpfs(path: Path, kilobytes: int) -> bool:
+    """False when the kernel refused the size: tmpfs will not shrink below what it holds, which a save still
+    writing can make more than it held a moment ago."""
+    return subprocess.run(["mount", "-o", f"remount,size={kilobytes}k", str(path)], capture_output=True).returncode == 0
 
 
 def _used_kb(path: Path) -> int:
@@ -261,11 +263,13 @@ class Chaos:
                 return 0
 
         before = refused()
-        _resize_tmpfs(where, _used_kb(where) + 64)
+        if not any(_resize_tmpfs(where, _used_kb(where) + 64) for _ in range(5)):
+            return False  # a save kept writing: tried again later
         give_up = time.monotonic() + 20.0
         while refused() == before and time.monotonic() < give_up:
             time.sleep(0.1)
-        _resize_tmpfs(where, CHECKPOINT_FS_MB * 1024)
+        if not _resize_tmpfs(where, CHECKPOINT_FS_MB * 1024):  # growing is always allowed
+            raise RuntimeError(f"could not grow the tmpfs at {where} back to {CHECKPOINT_FS_MB} MB")
         return True
 
     # --- the invariants ------------------------------------------------------------------------------------------
