@@ -56,7 +56,7 @@ def run(quick: bool = False) -> dict:
 def measure(path: Path, device: str, batches: Sequence[int], lengths: tuple[int, int]) -> dict:
     """The table and the ratio for the model in `path` on `device` (bfloat16 on a GPU, float32 on the CPU)."""
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
-    from pipelinerl.serve import load_model
+    from pipelinerl.engines.embedded.serve import load_model
 
     model, tokenizer = load_model(str(path), "bfloat16" if device == "cuda" else "float32", device)
     vocab_below = len(tokenizer) if tokenizer is not None else 256

@@ -245,8 +245,8 @@ def _serve_receiver(model_dir: str, port: int) -> None:
     import uvicorn
 
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
+    from pipelinerl.engines.embedded.serve import load_model
     from pipelinerl.engines.server import create_app
-    from pipelinerl.serve import load_model
 
     torch.set_num_threads(1)
     model, tokenizer = load_model(model_dir, "float32")

@@ -16,8 +16,9 @@ from urllib.parse import urlsplit
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pipelinerl.plugins import ENGINES, REWARD_RULES, TASKS
+
 BACKENDS = ("auto", "gloo", "nccl")
-ENGINES = ("embedded", "vllm", "sglang")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STREAM_BACKENDS = ("files", "redis")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -99,14 +100,15 @@ class EngineConfig:
     start_timeout_s: Optional[float] = None  # noqa: UP045 (omegaconf needs Optional)
 
     def __post_init__(self) -> None:
-        _check_choice(self.kind, ENGINES, "engine.kind")
+        _check(ENGINES.knows(self.kind), "engine.kind", f"must be one of {ENGINES.choices()}, got {self.kind!r}")
         _check(self.start_timeout_s is None or self.start_timeout_s > 0, "engine.start_timeout_s",
                "must be > 0 (seconds), or unset to size it from the model")
         _check(self.max_restarts >= 0, "engine.max_restarts", "must be >= 0 (0: a dead engine stops the run)")
         _check(self.restart_wait_s > 0, "engine.restart_wait_s", "must be > 0")
         _check(self.tensor_parallel_size >= 1, "engine.tensor_parallel_size", "must be at least 1")
-        _check(self.kind != "embedded" or self.tensor_parallel_size == 1, "engine.tensor_parallel_size",
-               "the embedded engine runs on one device; use engine.kind vllm or sglang for tensor parallelism")
+        _check(self.tensor_parallel_size == 1 or _engine_kind(self.kind).tensor_parallel,
+               "engine.tensor_parallel_size", f"the {self.kind} engine runs on one device; use an engine kind with "
+               "tensor parallelism (vllm, sglang)")
         _check(0 < self.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", "must be in (0, 1]")
         _check(self.num_engines >= 0, "engine.num_engines", "must be >= 0 (0: fill the node's free GPUs)")
         _check(0 <= self.base_port <= 65535, "engine.base_port", "must be a TCP port, or 0 for any free one")
@@ -550,14 +552,7 @@ class ResourcesConfig:
         _check(self.gpu_memory_gib >= 0, "resources.gpu_memory_gib", "must be >= 0")
 
 
-TASKS = ("arithmetic", "math", "code")
-
-
-def _is_dotted_path(ref: str) -> bool:
-    module, sep, attr = ref.partition(":")
-    return bool(sep) and all(part.isidentifier() for part in module.split(".")) and attr.isidentifier()
 MATH_TEMPLATES = ("orz", "boxed", "plain")
-MATH_REWARDS = ("math", "orz", "orz_exact")
 
 
 @dataclass
@@ -588,8 +583,9 @@ class TaskConfig:
     accept_unclosed_answer: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.name in TASKS or _is_dotted_path(self.name), "task.name",
-               f"must be one of {', '.join(TASKS)} or a 'package.module:Class' path to your own, got {self.name!r}")
+        _check(TASKS.knows(self.name), "task.name",
+               f"must be one of {', '.join(TASKS.names())} or a 'package.module:Class' path to your own, got "
+               f"{self.name!r}")
         _check(not self.args or self.name not in ("arithmetic", "math"), "task.args",
                f"the built-in {self.name} task takes its settings as task.* keys (task.digits, task.train_data, ...), "
                "not task.args")
@@ -601,8 +597,8 @@ class TaskConfig:
         _check_choice(self.template, MATH_TEMPLATES, "task.template")
         _check(self.reward_fn == "" or ":" in self.reward_fn, "task.reward_fn",
                f"must look like module:function, got {self.reward_fn!r}")
-        _check(self.reward in ("", *MATH_REWARDS), "task.reward",
-               f"must be one of {', '.join(MATH_REWARDS)} or empty, got {self.reward!r}")
+        _check(self.reward == "" or REWARD_RULES.knows(self.reward), "task.reward",
+               f"must be one of {REWARD_RULES.choices()} or empty, got {self.reward!r}")
         _check(self.name != "math" or len(self.train_data) > 0, "task.train_data",
                "the math task needs at least one training file or dataset name")
         _check(not self.accept_unclosed_answer or (self.name == "math" and self.reward != "math" and
@@ -665,7 +661,7 @@ class RunConfig:
         _check(self.sampling.max_new_tokens < self.engine.max_model_len, "sampling.max_new_tokens",
                f"must be below engine.max_model_len ({self.engine.max_model_len})")
         if self.weight_sync.bucket_mb is None:  # unset: the engine's best format (SGLang takes one tensor each)
-            self.weight_sync.bucket_mb = 0.0 if self.engine.kind == "sglang" else 4.0
+            self.weight_sync.bucket_mb = _engine_kind(self.engine.kind).default_bucket_mb
         self._cross_check()
 
     def _cross_check(self) -> None:
@@ -686,8 +682,9 @@ class RunConfig:
                f"{t.temperature} differs from sampling.temperature {s.temperature}: the trainer's log-probs must "
                "use the temperature the engines sample at; set both to the same value")
         backend, gpu = self.weight_sync.backend, self.resources.gpus_per_node > 0
-        if e.kind == "sglang":
-            self._check_sglang()
+        check_engine = _engine_kind(e.kind).check_config
+        if check_engine is not None:
+            check_engine(self)
         if e.colocate_with_trainer:
             # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), which is what an
             # engine sharing the trainer's GPU would be; gloo carries the update through host memory instead.
@@ -707,21 +704,14 @@ class RunConfig:
                "each bucket of weights to the engines")
 
 
-    def _check_sglang(self) -> None:
-        """What SGLang's weight-update path cannot take (pipelinerl/engines/sglang/front.py)."""
-        w, e = self.weight_sync, self.engine
-        _check(w.bucket_mb == 0, "weight_sync.bucket_mb",
-               f"{w.bucket_mb:g}, but SGLang (engine.kind sglang) receives one broadcast per tensor; set "
-               "weight_sync.bucket_mb=0 or leave it unset")
-        _check(self.resources.gpus_per_node > 0, "engine.kind",
-               "sglang runs on GPUs only (it has no CPU build): set resources.gpus_per_node, or use engine.kind "
-               "embedded or vllm on CPU")
-        _check(not e.colocate_with_trainer, "engine.colocate_with_trainer",
-               "SGLang cannot share the trainer's GPUs: its updates go over nccl, which refuses two ranks of one "
-               "group on one GPU; give the engines GPUs of their own")
-        _check(w.backend in ("nccl", "auto"), "weight_sync.backend",
-               f"{w.backend!r}, but SGLang receives updates into GPU memory and is supported over nccl only; set "
-               "weight_sync.backend=nccl or auto")
+def _engine_kind(name: str):
+    """The EngineKind of `engine.kind`; a path that does not import, or to something else, names the key."""
+    from pipelinerl.engines.kind import engine_kind
+
+    try:
+        return engine_kind(name)
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"engine.kind: {e}") from None
 
 
 def _merge(base: DictConfig, other: DictConfig, source: str) -> DictConfig:

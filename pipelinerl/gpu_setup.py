@@ -29,6 +29,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipelinerl.engines.kind import engine_kind
+
 FLASH_ATTN_VERSION = "2.8.3"  # the newest release with prebuilt wheels on GitHub (PyPI has its source only)
 FLASH_ATTN_URL = "https://github.com/Dao-AILab/flash-attention/releases/download/v{version}/{wheel}"
 FLASH_ATTN_URL_ENV = "PIPELINERL_FLASH_ATTN_URL"  # a mirror: the same layout, {version} and {wheel} filled in
@@ -112,23 +114,8 @@ def engine_problem(engine: str, gpu: bool) -> str | None:
     """Why the venv cannot run `engine` on a machine with (`gpu`) or without GPUs, with the command that fixes it;
     None when it can. Read from the installed distributions' metadata (no import: fast, and right on a login node
     whose CUDA packages cannot initialise without a GPU)."""
-    if engine == "vllm":
-        from pipelinerl.engines.vllm.launcher import install_advice, installed_vllm
-
-        build, version = installed_vllm()
-        advice = install_advice(gpu, build, version)
-        if advice is None and importlib.util.find_spec("vllm") is None:
-            advice = f"vLLM {version} is installed but its package is missing; reinstall: make install-vllm"
-        return advice
-    if engine == "sglang":
-        if not gpu:
-            return "SGLang runs on GPUs only (it has no CPU build); use engine.kind embedded or vllm here"
-        try:
-            importlib.metadata.version("sglang")
-        except importlib.metadata.PackageNotFoundError:
-            return "engine.kind sglang needs SGLang, which is not installed: make install-sglang"
-        return None
-    return None
+    problem = engine_kind(engine).install_problem
+    return None if problem is None else problem(gpu)
 
 
 def venv_problems(engine: str, gpus: int | None = None) -> list[str]:

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from pipelinerl.auth import API_KEY_ENV, KEY_FILE, api_key_from_env, read_key_file, run_api_key
 from pipelinerl.config import ConfigError, RunConfig, load_config, resolve_for_machine, save_resolved_config
 from pipelinerl.engines.client import EngineClient
+from pipelinerl.engines.kind import engine_kind
 from pipelinerl.metrics import continue_metrics
 from pipelinerl.models.hub import ModelFetchError
 from pipelinerl.nodes import NodeLost, NodeRendezvous
@@ -195,10 +196,9 @@ def engine_specs(cfg: RunConfig, model_path: Path, slots: Sequence[EngineSlot], 
         env = slot.env(visible)
         if slot.gpus:
             env.update(gpu_memory_args(e))
-        if e.kind == "sglang":  # the most one weight-update call to SGLang takes (engines/sglang/front.py)
-            from pipelinerl.engines.sglang import UPDATE_CHUNK_ENV
-
-            env[UPDATE_CHUNK_ENV] = str(cfg.weight_sync.sglang_update_chunk_mb)
+        launch_env = engine_kind(e.kind).launch_env
+        if launch_env is not None:
+            env.update(launch_env(cfg))
 
         def command(port: int, extra: list[str] = extra) -> list[str]:
             return engine_command(str(model_path), port, e.host, e.kind, extra)
@@ -290,12 +290,10 @@ class Engines:
 def gpu_memory_args(e) -> dict[str, str]:
     """The engine's share of its GPU (`engine.gpu_memory_utilization`) in the words of the engine it starts,
     ahead of any arguments the user gives in the same environment variable (so the user's win)."""
-    if e.kind == "vllm":
-        var, flag = "PIPELINERL_VLLM_ARGS", "--gpu-memory-utilization"
-    elif e.kind == "sglang":
-        var, flag = "PIPELINERL_SGLANG_ARGS", "--mem-fraction-static"
-    else:
+    flag = engine_kind(e.kind).gpu_memory_flag
+    if flag is None:
         return {}
+    var, flag = flag
     return {var: f"{flag} {e.gpu_memory_utilization} {os.environ.get(var, '')}".strip()}
 
 
@@ -712,9 +710,9 @@ def dry_run_model(cfg: RunConfig) -> tuple[Path, str]:
 def engine_import_check(kind: str) -> str:
     """Whether the engine's package imports in this venv (in a child: vLLM's import takes seconds and sets up
     state), in words."""
-    if kind == "embedded":
+    module = engine_kind(kind).package
+    if module is None:
         return "built in"
-    module = {"vllm": "vllm", "sglang": "sglang"}[kind]
     code = f"import importlib.metadata as m, {module}; print(getattr({module}, '__version__', '?'))"
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

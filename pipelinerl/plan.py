@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelinerl.config import ConfigError, RunConfig, load_config, resolve_for_machine
+from pipelinerl.engines.kind import engine_kind
 from pipelinerl.placement import NodeEnv, NodePlan, listed_gpus, plan_node
 
 GIB = 2**30
@@ -532,26 +533,25 @@ def engine_overhead(shape: ModelShape, cfg: RunConfig) -> int:
     return int(ENGINE_OVERHEAD_GIB * GIB) + chunk + sampler
 
 
+def _takes_gpu_share(kind: str) -> bool:
+    """The engine holds a share of its GPU (engine.gpu_memory_utilization), not KV for engine.max_batch_tokens."""
+    return engine_kind(kind).gpu_memory_flag is not None
+
+
 def engine_memory(shape: ModelShape, cfg: RunConfig, gpu_bytes: int) -> EngineMemory:
     """One GPU of an engine, of `gpu_bytes` (0: on CPU, where it holds KV for `engine.max_batch_tokens`)."""
     e = cfg.engine
     wb, tp = DTYPE_BYTES[cfg.model.dtype], e.tensor_parallel_size
     weights = math.ceil(shape.num_params * wb / tp)
     kv = 2 * shape.num_layers * math.ceil(shape.num_kv_heads / tp) * shape.head_dim * wb
-    if gpu_bytes == 0 or e.kind == "embedded":
+    kind = engine_kind(e.kind)
+    if gpu_bytes == 0 or kind.gpu_memory_flag is None:
         # sized by engine.max_batch_tokens, not by a share of the device
         overhead = engine_overhead(shape, cfg) if gpu_bytes else 0
         return EngineMemory(e.kind, weights + overhead + kv * e.max_batch_tokens, weights, overhead, kv,
                             e.max_model_len, f"KV for engine.max_batch_tokens {e.max_batch_tokens}", tp)
     util = e.gpu_memory_utilization
-    staging, choice = 0, "auto"
-    if e.kind == "vllm":
-        import os
-
-        from pipelinerl.engines.vllm.worker_extension import STAGING_ENV, STAGING_SLACK_BYTES
-
-        staging = shape.num_params * wb + 2 * shape.largest_tensor * wb + STAGING_SLACK_BYTES
-        choice = os.environ.get(STAGING_ENV, "auto")
+    staging, choice = kind.staging_bytes(shape, wb) if kind.staging_bytes else (0, "auto")
     return EngineMemory(e.kind, int(util * gpu_bytes), weights, engine_overhead(shape, cfg), kv, e.max_model_len,
                         f"engine.gpu_memory_utilization {util:g} x {_gib(gpu_bytes)} GiB", tp, staging, gpu_bytes,
                         e.colocate_with_trainer, choice)
@@ -819,7 +819,7 @@ def suggestions(cfg: RunConfig, plan: Plan) -> list[Suggestion]:
                                           f"{_gib(cluster.gpu_bytes - tried.engine.budget)} GiB and holds "
                                           f"{tried.engine.sequences} sequences", tried.fits))
     eng = plan.engine
-    if eng is not None and eng.sequences < 1 and e.kind != "embedded":
+    if eng is not None and eng.sequences < 1 and _takes_gpu_share(e.kind):
         if util < 0.95 and not plan.colocated:
             tried = _try(plan, cfg, plan.sharding, engine={"gpu_memory_utilization": 0.95})
             if tried is not None and tried.engine is not None and tried.engine.sequences >= 1:
@@ -953,7 +953,7 @@ def minimum_gpu_memory(cfg: RunConfig, plan: Plan) -> int | None:
     trainer = max(plan.trainer_main.total, plan.trainer_other.total if plan.trainer_other else 0)
     need = float(trainer)
     e = plan.engine
-    if e is not None and e.kind != "embedded":
+    if e is not None and _takes_gpu_share(e.kind):
         util = cfg.engine.gpu_memory_utilization
         engine_need = (e.weights + e.overhead + MIN_SEQUENCES * e.max_model_len * e.kv_bytes_per_token) / util
         if plan.colocated:
@@ -1090,7 +1090,7 @@ def format_plan(plan: Plan, cfg: RunConfig, recipe: str = "") -> str:
         text = f"verdict: fits: a trainer GPU needs {_gib(trainer)} of {_gib(plan.cluster.gpu_bytes)} GiB"
         if plan.colocated:
             text += " (with the engine's share)"
-        if plan.engine is not None and plan.engine.kind != "embedded":
+        if plan.engine is not None and _takes_gpu_share(plan.engine.kind):
             text += (f"; each engine has KV room for {plan.engine.sequences} sequences of "
                      f"{plan.engine.max_model_len} tokens")
         out.append(text)

@@ -33,7 +33,7 @@ def test_the_profiled_decode_counts_no_gpu_kernels_on_a_cpu(tmp_path):
     """The profiler part runs on a CPU too, where nothing is launched on a GPU: the counts are zero, not an error."""
     from bench.engine_scale import EngineSide
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
-    from pipelinerl.serve import load_model
+    from pipelinerl.engines.embedded.serve import load_model
 
     path = tiny_model(tmp_path, hidden_size=32, num_layers=2)
     model, tokenizer = load_model(str(path), "float32", "cpu")

@@ -1,5 +1,5 @@
-"""The servers' listening socket (`pipelinerl.serve.bind`), which uvicorn serves on, and the command line in front of
-it."""
+"""The servers' listening socket (`pipelinerl.engines.listen.bind`), which uvicorn serves on, and the command line
+in front of it."""
 
 import asyncio
 import os
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pipelinerl.serve import bind
+from pipelinerl.engines.listen import bind
 
 
 async def _nodelay_of_accepted(listener: socket.socket) -> int:

@@ -179,7 +179,7 @@ class _Echo:
 def test_registry(monkeypatch):
     with pytest.raises(KeyError, match="unknown task 'nope'.*arithmetic"):
         get_task("nope")
-    monkeypatch.setitem(TASKS, "echo", None)  # removed again after the test
+    monkeypatch.setattr(TASKS, "_entries", dict(TASKS._entries))  # the registry as it was, after the test
     register_task("echo", _Echo)
     task = get_task("echo", n=3)
     assert isinstance(task, Task) and len(task.train_problems()) == 3

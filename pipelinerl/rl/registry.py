@@ -31,16 +31,16 @@ The calls:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from pipelinerl.plugins import ADVANTAGES, POLICY_LOSSES
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 AGGREGATIONS = ("token_sum_norm", "token_mean", "seq_mean")
-_BUILTIN_MODULES = ("pipelinerl.rl.losses", "pipelinerl.rl.advantages")
 
 
 @dataclass
@@ -110,10 +110,6 @@ def reads_key(spec: PolicyLossSpec | AdvantageSpec, key: str) -> bool:
     return spec.reads is None or key in spec.reads
 
 
-_POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
-_ADVANTAGES: dict[str, AdvantageSpec] = {}
-
-
 def register_policy_loss(name: str, *, needs_proximal: bool = False, clip: tuple[float, float] = (0.2, 0.28),
                          aggregation: str = "token_sum_norm", zero_without_advantage: bool = False,
                          reads: Sequence[str] | None = None, defaults: Mapping[str, Any] | None = None
@@ -125,11 +121,9 @@ def register_policy_loss(name: str, *, needs_proximal: bool = False, clip: tuple
     _check_keys(name, reads, defaults)
 
     def add(fn: Callable) -> Callable:
-        if name in _POLICY_LOSSES and _POLICY_LOSSES[name].fn is not fn:
-            raise ValueError(f"a policy loss named {name!r} is already registered ({_POLICY_LOSSES[name].fn})")
         spec = PolicyLossSpec(name, fn, needs_proximal, tuple(clip), aggregation, zero_without_advantage,
                               None if reads is None else tuple(reads), dict(defaults or {}))
-        _POLICY_LOSSES[name] = spec
+        POLICY_LOSSES.add(name, spec)
         fn.policy_loss_spec = spec
         return fn
 
@@ -142,10 +136,8 @@ def register_advantage(name: str, *, token_level: bool = False, reads: Sequence[
     _check_keys(name, reads, None)
 
     def add(fn: Callable) -> Callable:
-        if name in _ADVANTAGES and _ADVANTAGES[name].fn is not fn:
-            raise ValueError(f"an advantage estimator named {name!r} is already registered ({_ADVANTAGES[name].fn})")
         spec = AdvantageSpec(name, fn, token_level, None if reads is None else tuple(reads), whitened)
-        _ADVANTAGES[name] = spec
+        ADVANTAGES.add(name, spec)
         fn.advantage_spec = spec
         return fn
 
@@ -161,58 +153,32 @@ def _check_keys(name: str, reads: Sequence[str] | None, defaults: Mapping[str, A
         raise ValueError(f"{name!r}: defaults for {missing}, which it does not read")
 
 
-def _load_builtins() -> None:
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
-
-
-def _import_dotted(name: str, kind: str) -> Any:
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise KeyError(f"{kind} {name!r}: cannot import module {module_name!r} ({e})") from None
-    if not hasattr(module, attr):
-        raise KeyError(f"{kind} {name!r}: module {module_name!r} has no {attr!r}")
-    return getattr(module, attr)
-
-
 def policy_loss(name: str) -> PolicyLossSpec:
-    """The registered loss ``name``, or the function at ``package.module:function``. KeyError says what exists."""
-    _load_builtins()
-    if ":" in name:
-        fn = _import_dotted(name, "policy loss")
-        return getattr(fn, "policy_loss_spec", None) or PolicyLossSpec(name, fn)
-    if name not in _POLICY_LOSSES:
-        raise KeyError(f"unknown policy loss {name!r}; registered: {', '.join(sorted(_POLICY_LOSSES))} (or name "
-                       "a function as package.module:function)")
-    return _POLICY_LOSSES[name]
+    """The registered loss ``name``, or the function at ``package.module:function``. KeyError
+    (pipelinerl.plugins.UnknownPlugin) says what exists."""
+    found = POLICY_LOSSES.get(name)
+    if isinstance(found, PolicyLossSpec):
+        return found
+    return getattr(found, "policy_loss_spec", None) or PolicyLossSpec(name, found)
 
 
 def advantage(name: str) -> AdvantageSpec:
     """The registered estimator ``name``, or the function at ``package.module:function``."""
-    _load_builtins()
-    if ":" in name:
-        fn = _import_dotted(name, "advantage estimator")
-        return getattr(fn, "advantage_spec", None) or AdvantageSpec(name, fn)
-    if name not in _ADVANTAGES:
-        raise KeyError(f"unknown advantage estimator {name!r}; registered: {', '.join(sorted(_ADVANTAGES))} (or "
-                       "name a function as package.module:function)")
-    return _ADVANTAGES[name]
+    found = ADVANTAGES.get(name)
+    if isinstance(found, AdvantageSpec):
+        return found
+    return getattr(found, "advantage_spec", None) or AdvantageSpec(name, found)
 
 
 def readers(key: str) -> list[str]:
     """The registered losses and estimators that read `trainer.<key>`, for error messages."""
-    _load_builtins()
-    specs = [*_POLICY_LOSSES.values(), *_ADVANTAGES.values()]
+    specs = [spec for _, spec in [*POLICY_LOSSES.items(), *ADVANTAGES.items()]]
     return sorted(s.name for s in specs if s.reads is not None and key in s.reads)
 
 
 def policy_loss_names() -> list[str]:
-    _load_builtins()
-    return sorted(_POLICY_LOSSES)
+    return POLICY_LOSSES.names()
 
 
 def advantage_names() -> list[str]:
-    _load_builtins()
-    return sorted(_ADVANTAGES)
+    return ADVANTAGES.names()

@@ -15,11 +15,11 @@ Task modules are imported on first use, so asking for arithmetic never imports s
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pipelinerl.plugins import TASKS, UnknownPlugin
 from pipelinerl.tasks.base import Task, reward_item
 
 if TYPE_CHECKING:
@@ -27,29 +27,15 @@ if TYPE_CHECKING:
 
 __all__ = ["TASKS", "Task", "check_task", "get_task", "register_task", "reward_item", "task_from_config"]
 
-# name -> task factory, or "module:attribute" of one (imported lazily)
-TASKS: dict[str, Callable[..., Task] | str] = {
-    "arithmetic": "pipelinerl.tasks.arithmetic:ArithmeticTask",
-    "math": "pipelinerl.tasks.math_data:MathTask",
-    "code": "pipelinerl.tasks.code:CodeTask",
-}
-
-
 def register_task(name: str, factory: Callable[..., Task] | str) -> None:
-    """Make `get_task(name, ...)` build tasks with `factory(**kwargs)`."""
-    TASKS[name] = factory
+    """Make `task.name: name` (and `get_task(name, ...)`) build tasks with `factory(**kwargs)`; `factory` may be
+    the "module:attr" where it lives. A task registered under a name that exists replaces it."""
+    TASKS.add(name, factory, replace=True)
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
-    """The task `name` (a key of TASKS, or "package.module:Class") built with `kwargs`."""
-    if name not in TASKS and ":" not in name:
-        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}, or give "
-                       "'package.module:Class'")
-    factory = TASKS.get(name, name)
-    if isinstance(factory, str):
-        module, _, attr = factory.partition(":")
-        factory = getattr(importlib.import_module(module), attr)
-    return factory(**kwargs)
+    """The task `name` (registered in pipelinerl.plugins.TASKS, or "package.module:Class") built with `kwargs`."""
+    return TASKS.get(name)(**kwargs)
 
 
 def task_from_config(cfg: TaskConfig) -> Task:
@@ -64,15 +50,10 @@ def task_from_config(cfg: TaskConfig) -> Task:
     if cfg.name == "math":
         return get_task("math", train_data=list(cfg.train_data), eval_data=list(cfg.eval_data),
                         template=cfg.template, reward=cfg.reward, accept_unclosed_answer=cfg.accept_unclosed_answer)
-    ref = TASKS.get(cfg.name, cfg.name)
-    if isinstance(ref, str):
-        module, _, attr = ref.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"task.name: cannot load {ref!r}: {e} (is its package on PYTHONPATH?)") from None
-    else:
-        factory = ref
+    try:
+        factory = TASKS.get(cfg.name)
+    except UnknownPlugin as e:
+        raise ConfigError(f"task.name: cannot load {cfg.name!r}: {e}") from None
     args = dict(cfg.args)
     try:
         inspect.signature(factory).bind(**args)

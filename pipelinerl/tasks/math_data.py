@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelinerl.plugins import REWARD_RULES
 from pipelinerl.rewards.choice import is_choice_problem, score_choice
-from pipelinerl.rewards.math import UNCLOSED_KEY, last_boxed, score_math, score_orz
-from pipelinerl.rewards.orz_exact import score_orz_exact
+from pipelinerl.rewards.math import UNCLOSED_KEY, last_boxed
 from pipelinerl.rewards.pool import RewardResult
 from pipelinerl.tasks.base import hub_rows, json_records
 
@@ -38,7 +38,6 @@ TEMPLATES = {
     "plain": "{problem}",
 }
 
-REWARDS: dict[str, Callable[[dict], Any]] = {"math": score_math, "orz": score_orz, "orz_exact": score_orz_exact}
 
 
 def score_math_task(item: dict) -> RewardResult:
@@ -48,14 +47,15 @@ def score_math_task(item: dict) -> RewardResult:
     problem = item["problem"]
     if is_choice_problem(problem):
         return score_choice(item)
-    return REWARDS[problem.get("reward_rule", "math")](item)
+    return REWARD_RULES.get(problem.get("reward_rule", "math"))(item)
 
 
 def _warmup() -> None:
     # every rule's warm-up, each once (math and orz share math-verify's): a cold worker's first sympy/ANTLR parse
     # takes over a second, which ORZ's 1 s limit would turn into a false 0
-    for warmup in dict.fromkeys(fn.warmup for fn in REWARDS.values()):  # type: ignore[attr-defined]
-        warmup()
+    for warmup in dict.fromkeys(getattr(fn, "warmup", None) for _, fn in REWARD_RULES.items()):
+        if warmup is not None:
+            warmup()
 
 
 score_math_task.warmup = _warmup  # type: ignore[attr-defined]  # run by reward pool workers
@@ -173,8 +173,8 @@ class MathTask:
         if self.template not in TEMPLATES:
             raise ValueError(f"template must be one of {', '.join(TEMPLATES)}, got {self.template!r}")
         self.rule = self.reward or ("orz" if self.template == "orz" else "math")
-        if self.rule not in REWARDS:
-            raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {self.reward!r}")
+        if not REWARD_RULES.knows(self.rule):
+            raise ValueError(f"reward must be one of {REWARD_RULES.choices()}, got {self.reward!r}")
         if self.accept_unclosed_answer and self.rule == "math":
             raise ValueError("accept_unclosed_answer applies to the ORZ rules (orz, orz_exact); the math rule has no "
                              "<answer> block")

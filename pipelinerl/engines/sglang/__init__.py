@@ -18,10 +18,10 @@ import shlex
 import subprocess
 import sys
 
+from pipelinerl.engines.sglang.kind import UPDATE_CHUNK_ENV
 from pipelinerl.procs import free_port
 
 EXTRA_ARGS_ENV = "PIPELINERL_SGLANG_ARGS"
-UPDATE_CHUNK_ENV = "PIPELINERL_SGLANG_UPDATE_CHUNK_MB"
 
 
 def sglang_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -100,9 +100,9 @@ def port_in_use(port: int) -> bool:
 def serve(args: argparse.Namespace) -> None:
     """Start SGLang, wait until it is healthy, then serve the contract on `args.host:args.port`."""
     from pipelinerl.engines.common import load_tokenizer, model_facts
+    from pipelinerl.engines.listen import run_server
     from pipelinerl.engines.server import create_app
     from pipelinerl.engines.sglang.front import SGLangBackend, SGLangSettings
-    from pipelinerl.serve import run_server
 
     try:
         import sglang  # noqa: F401

@@ -36,9 +36,9 @@ def build_backend(args: argparse.Namespace, socket_path: str):
 
 def serve(args: argparse.Namespace) -> None:
     """Start vLLM, wait until it is healthy, then serve the contract on `args.host:args.port` until stopped."""
+    from pipelinerl.engines.listen import run_server
     from pipelinerl.engines.server import create_app
     from pipelinerl.engines.vllm import launcher
-    from pipelinerl.serve import run_server
 
     launcher.check_install()
     socket_path = launcher.private_socket()
