@@ -200,8 +200,10 @@ chaos: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench $(ARGS)
 
+# ruff, and the package's layers (tests/test_layers.py: no module imports from a layer above its own)
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 format: $(STAMP)
 	$(BIN)/ruff format .

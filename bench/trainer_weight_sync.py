@@ -244,9 +244,9 @@ def _serve_receiver(model_dir: str, port: int) -> None:
 
     import uvicorn
 
+    from pipelinerl.contracts.routes import create_app
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
     from pipelinerl.engines.embedded.serve import load_model
-    from pipelinerl.engines.server import create_app
 
     torch.set_num_threads(1)
     model, tokenizer = load_model(model_dir, "float32")

@@ -15,6 +15,7 @@ process group of their choosing, or abort its requests. (A run's engines always 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
 from pathlib import Path
@@ -67,10 +68,18 @@ def authorized(header: str | None, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` is an address only this machine reaches."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
     """Refuse to serve on an address other hosts can reach without a key, unless explicitly allowed."""
-    from pipelinerl.placement import is_loopback
-
     if api_key or allow_unauthenticated or is_loopback(host):
         return
     raise SystemExit(f"refusing to serve on {host} without an API key: any host that reaches it could replace the "

@@ -706,7 +706,7 @@ class RunConfig:
 
 def _engine_kind(name: str):
     """The EngineKind of `engine.kind`; a path that does not import, or to something else, names the key."""
-    from pipelinerl.engines.kind import engine_kind
+    from pipelinerl.contracts.engine import engine_kind
 
     try:
         return engine_kind(name)

@@ -29,7 +29,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelinerl.engines.kind import engine_kind
+from pipelinerl.contracts.engine import engine_kind
 
 FLASH_ATTN_VERSION = "2.8.3"  # the newest release with prebuilt wheels on GitHub (PyPI has its source only)
 FLASH_ATTN_URL = "https://github.com/Dao-AILab/flash-attention/releases/download/v{version}/{wheel}"

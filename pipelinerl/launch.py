@@ -31,10 +31,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pipelinerl.auth import API_KEY_ENV, KEY_FILE, api_key_from_env, read_key_file, run_api_key
+from pipelinerl.auth import API_KEY_ENV, KEY_FILE, api_key_from_env, is_loopback, read_key_file, run_api_key
 from pipelinerl.config import ConfigError, RunConfig, load_config, resolve_for_machine, save_resolved_config
+from pipelinerl.contracts.engine import engine_kind
 from pipelinerl.engines.client import EngineClient
-from pipelinerl.engines.kind import engine_kind
 from pipelinerl.metrics import continue_metrics
 from pipelinerl.models.hub import ModelFetchError
 from pipelinerl.nodes import NodeLost, NodeRendezvous
@@ -45,7 +45,6 @@ from pipelinerl.placement import (
     advertised_host,
     detect_gpus,
     gpu_env,
-    is_loopback,
     plan_node,
     why_no_gpus,
 )

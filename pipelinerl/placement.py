@@ -14,7 +14,6 @@ the hardware; the launcher applies the plan through each child's environment (CU
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import socket
@@ -23,6 +22,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pipelinerl.auth import is_loopback
 from pipelinerl.config import ConfigError, RunConfig
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default, so environments set up for torchrun work unchanged
@@ -185,15 +185,6 @@ def plan_node(cfg: RunConfig, node: NodeEnv, num_gpus: int) -> NodePlan:
 
 def _port(base: int, index: int) -> int:
     return base + index if base else 0
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def advertised_host(bind_host: str, master_addr: str, master_port: int) -> str:

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelinerl.config import ConfigError, RunConfig, load_config, resolve_for_machine
-from pipelinerl.engines.kind import engine_kind
+from pipelinerl.contracts.engine import engine_kind
 from pipelinerl.placement import NodeEnv, NodePlan, listed_gpus, plan_node
 
 GIB = 2**30

@@ -134,7 +134,7 @@ REWARD_RULES: Registry[Callable[[dict], Any]] = Registry("reward rule", {
 POLICY_LOSSES: Registry[Any] = Registry("policy loss", builtin_modules=("pipelinerl.rl.losses",))
 ADVANTAGES: Registry[Any] = Registry("advantage estimator", builtin_modules=("pipelinerl.rl.advantages",))
 
-# `engine.kind`: a pipelinerl.engines.kind.EngineKind (how to serve it, its launch environment, its checks)
+# `engine.kind`: a pipelinerl.contracts.engine.EngineKind (how to serve it, its launch environment, its checks)
 ENGINES: Registry[Any] = Registry("engine kind", {
     "embedded": "pipelinerl.engines.embedded.kind:KIND",
     "vllm": "pipelinerl.engines.vllm.kind:KIND",

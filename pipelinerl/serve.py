@@ -1,5 +1,5 @@
 """The engine process role: `pipelinerl serve --engine KIND --model PATH` serves the inference contract with the
-engine kind `--engine` names (pipelinerl.plugins.ENGINES; each kind says how it serves: pipelinerl.engines.kind)."""
+engine kind `--engine` names (pipelinerl.plugins.ENGINES; each kind says how it serves: pipelinerl.contracts.engine)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 
 from pipelinerl.auth import serve_api_key
 from pipelinerl.cli_args import model_directory, non_negative_int, port_number, positive_float, positive_int
-from pipelinerl.engines.kind import engine_kind
+from pipelinerl.contracts.engine import engine_kind
 from pipelinerl.plugins import ENGINES
 
 log = logging.getLogger(__name__)

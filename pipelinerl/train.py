@@ -12,6 +12,7 @@ the new version and the count of samples taken on the control stream (the actor 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -25,8 +26,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pipelinerl.config import RunConfig, load_config, resolve_for_machine
-from pipelinerl.contracts.trainer import BroadcastStats
+from pipelinerl.config import RunConfig, TrainerConfig, load_config, resolve_for_machine
+from pipelinerl.contracts.trainer import BroadcastStats, TrainerBackend
 from pipelinerl.engines.client import EngineError
 from pipelinerl.metrics import JsonlAppender, MetricsSink, continue_metrics
 from pipelinerl.placement import detect_gpus
@@ -34,17 +35,8 @@ from pipelinerl.procs import engine_urls as engine_urls_of
 from pipelinerl.procs import process_age_s, role_arguments
 from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
-from pipelinerl.trainer import Trainer
-from pipelinerl.trainer.checkpoint import (
-    checkpoint_dir,
-    export_hf,
-    latest_checkpoint,
-    load_checkpoint,
-    prune_checkpoints,
-    save_checkpoint,
-)
+from pipelinerl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
 from pipelinerl.trainer.publisher import EngineWaitInterrupted
-from pipelinerl.trainer.ranks import host_barrier
 from pipelinerl.weight_sync import WeightSyncError, WeightUpdateGroup
 
 log = logging.getLogger("pipelinerl.train")
@@ -96,7 +88,7 @@ class StopSignals:
         return self.signum is not None
 
 
-def push_recovering(trainer: Trainer, group: WeightUpdateGroup | None, engine_urls: list[str], cfg: RunConfig,
+def push_recovering(trainer: TrainerBackend, group: WeightUpdateGroup | None, engine_urls: list[str], cfg: RunConfig,
                     should_stop: Callable[[], bool]) -> tuple[WeightUpdateGroup | None, BroadcastStats, int]:
     """Broadcast the current weights; if that fails because an engine died in the middle (its launcher restarts
     it), wait for it, re-form the group and broadcast again. Returns the group, the broadcast's stats and how
@@ -105,7 +97,7 @@ def push_recovering(trainer: Trainer, group: WeightUpdateGroup | None, engine_ur
     try:
         return group, trainer.broadcast_weights(group, engine_urls), 0
     except (WeightSyncError, EngineError, OSError) as e:
-        if trainer.accelerator.num_processes > 1:
+        if trainer.num_processes > 1:
             raise
         log.warning("the weight broadcast failed (%s: %s); waiting for the engines, then trying again",
                     type(e).__name__, e)
@@ -114,25 +106,13 @@ def push_recovering(trainer: Trainer, group: WeightUpdateGroup | None, engine_ur
     return group, trainer.broadcast_weights(group, engine_urls), max(1, len(came_back))
 
 
-def any_rank(trainer: Trainer, *flags: bool) -> list[bool]:
-    """For each flag, whether it holds on any trainer process (one small all-reduce when there are several)."""
-    if trainer.accelerator.num_processes == 1:
-        return list(flags)
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([float(f) for f in flags], device=trainer.accelerator.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [v > 0 for v in t.tolist()]
-
-
 class Checkpoints:
     """When to save: every `trainer.save_every` steps, every `trainer.save_every_minutes`, on a stop and at the
     end; pruned to the newest `trainer.keep_checkpoints`. With several trainer processes they agree (one small
     all-reduce per step) so that all save, or stop, at the same step."""
 
-    def __init__(self, trainer: Trainer, run_dir: Path, saved_version: int):
-        self.trainer, self.run_dir, self.cfg = trainer, run_dir, trainer.cfg
+    def __init__(self, trainer: TrainerBackend, cfg: TrainerConfig, run_dir: Path, saved_version: int):
+        self.trainer, self.run_dir, self.cfg = trainer, run_dir, cfg
         self.saved_version = saved_version
         self.last_save = time.monotonic()
         self.failures = 0  # periodic saves given up for a full disk
@@ -142,7 +122,7 @@ class Checkpoints:
         c, version = self.cfg, self.trainer.version
         by_steps = bool(c.save_every) and version % c.save_every == 0
         by_time = bool(c.save_every_minutes) and time.monotonic() - self.last_save >= 60 * c.save_every_minutes
-        return tuple(any_rank(self.trainer, by_steps or by_time, stop_requested))
+        return tuple(self.trainer.any_process(by_steps or by_time, stop_requested))
 
     def save(self, position: dict, periodic: bool = False) -> None:
         """Save unless this version is saved already. A periodic save that finds the disk full (ENOSPC, EDQUOT) with
@@ -153,10 +133,10 @@ class Checkpoints:
             return
         target = checkpoint_dir(self.run_dir, self.trainer.version)
         try:
-            save_checkpoint(self.trainer, target, position)
+            self.trainer.save_checkpoint(target, position)
         except Exception as e:  # noqa: BLE001 (savers report a full disk in their own words: see disk_full)
             partial = target.parent / f".tmp-{target.name}"
-            if not periodic or self.trainer.accelerator.num_processes > 1 or not disk_full(e, partial):
+            if not periodic or self.trainer.num_processes > 1 or not disk_full(e, partial):
                 raise
             shutil.rmtree(partial, ignore_errors=True)
             self.failures += 1
@@ -168,7 +148,7 @@ class Checkpoints:
                       newest or "none", target.parent)
             return
         self.saved_version, self.last_save = self.trainer.version, time.monotonic()
-        if self.trainer.accelerator.is_main_process:
+        if self.trainer.is_main_process:
             for old in prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints):
                 log.info("deleted checkpoint %s (trainer.keep_checkpoints=%d)", old, self.cfg.keep_checkpoints)
 
@@ -317,19 +297,32 @@ def batch_metrics(batch: list[Sample]) -> dict[str, float]:
     return row
 
 
-def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
+def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None,
+          trainer: TrainerBackend | None = None) -> int:
     """Train until `trainer.max_steps` (returns 0) or until a stop signal (returns 128 + its number), saving a
-    checkpoint either way. `engines`: as `--engines` (URLs, or `@FILE` to wait for once the model is loaded)."""
+    checkpoint either way. `engines`: as `--engines` (URLs, or `@FILE` to wait for once the model is loaded).
+    `trainer`: any TrainerBackend (pipelinerl.contracts.trainer); the run's Trainer when not given. Whatever ends
+    the run, an exception included, closes the evaluator, the weight-update group and the trainer, once each."""
     stop = stop or StopSignals()
+    if trainer is None:
+        from pipelinerl.trainer import Trainer
+
+        trainer = Trainer(cfg.model.path, cfg.trainer, cfg.weight_sync, cfg.model.dtype, cfg.seed)
+    with contextlib.ExitStack() as on_exit:
+        on_exit.callback(trainer.close)  # last: the other closers may still use its processes' group
+        return _train(cfg, engines, stop, trainer, on_exit)
+
+
+def _train(cfg: RunConfig, engines: str, stop: StopSignals, trainer: TrainerBackend,
+           on_exit: contextlib.ExitStack) -> int:
     run_dir = Path(cfg.run_dir)
-    trainer = Trainer(cfg.model.path, cfg.trainer, cfg.weight_sync, cfg.model.dtype, cfg.seed)
     # With several trainer processes every one reads the same samples and takes its share of each batch; only
     # the main process writes metrics, announces versions and evaluates (it alone talks to the engines).
-    main = trainer.accelerator.is_main_process
+    main = trainer.is_main_process
     position: dict = {}
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
-        position = load_checkpoint(trainer, ckpt)
+        position = trainer.load_checkpoint(ckpt)
         log.info("resumed from %s at version %d", ckpt, trainer.version)
     metrics = None
     if main:  # steps after the checkpoint will be redone: their rows go, so every step is in the file once
@@ -343,7 +336,7 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
         # no group (tests/test_pipeline.py)
         continue_metrics(run_dir, trainer.version, AUDIT_FILE)
         audit = JsonlAppender(run_dir / AUDIT_FILE)
-    checkpoints = Checkpoints(trainer, run_dir, saved_version=trainer.version)
+    checkpoints = Checkpoints(trainer, cfg.trainer, run_dir, saved_version=trainer.version)
     # the launcher starts this process while the engines load their models: the work above overlapped theirs
     ready_s, waited = process_age_s(), time.monotonic()
     engine_urls = engine_urls_of(engines, lambda: stop.requested)
@@ -352,21 +345,26 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
         if metrics:
             metrics.close()
             audit.close()
-        trainer.close()
         return 128 + stop.signum
     if ready_s is not None and main:
         log.info("set up in %.1f s from the process's start (imports, model, optimizer), then waited %.1f s for "
                  "the engines", ready_s, time.monotonic() - waited)
     # every tensor-parallel worker of an engine is a rank of the weight-update group
     group = trainer.connect_engines(engine_urls, ranks_per_engine=cfg.engine.tensor_parallel_size)
+    # left before the trainer closes (a group left to interpreter shutdown can abort the process); `group` is
+    # re-formed when an engine rejoins, so the closer reads the variable when it runs
+    on_exit.callback(lambda: group.destroy() if group is not None else None)
     if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights
         trainer.broadcast_weights(group, engine_urls)
     control = open_writer(cfg.streams, run_dir, "control", "trainer") if main else None
+    if control is not None:
+        on_exit.callback(control.close)
     feed = SampleFeed(cfg, position.get("consumed_samples", 0))
     announce(control, {"kind": "version", "version": trainer.version, "consumed": feed.consumed})
     stale_dropped = position.get("stale_dropped", 0)
     started = time.monotonic() - position.get("elapsed_s", 0.0)
     evaluator = HeldOutEval(cfg, engine_urls, enabled=main and cfg.trainer.eval_every > 0)
+    on_exit.callback(evaluator.close)
     stopped = False
     failure: NonFiniteSteps | None = None
     skipped_in_a_row = 0  # steps whose every update was skipped (a non-finite loss or gradient norm), in a row
@@ -379,7 +377,7 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
             trainer.note_eval_score(eval_row["eval_accuracy"])
         # The other processes wait here, not in the first step's collectives, while the main one connects to the
         # engines and evaluates (longer than any collective timeout that still catches a hang: see ranks.py).
-        host_barrier("connecting to the engines and the first held-out evaluation")
+        trainer.barrier("connecting to the engines and the first held-out evaluation")
         last = time.monotonic()
         while trainer.version < cfg.trainer.max_steps:
             batch, dropped = feed.take_fresh(
@@ -400,7 +398,7 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
                 engines_rejoined += len(came_back)
             except EngineWaitInterrupted:
                 interrupted = True
-            [interrupted] = any_rank(trainer, interrupted)
+            [interrupted] = trainer.any_process(interrupted)
             sync = BroadcastStats(trainer.version, 0, 0.0)
             if not interrupted:
                 try:
@@ -427,7 +425,7 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
                 # on the run's clock (later rows' `time`); the actor generates meanwhile, as during an evaluation,
                 # but an export takes a small part of a step (`export_s`)
                 t = time.monotonic()
-                export_hf(trainer, run_dir / "exports" / f"step_{trainer.version}")
+                trainer.export(run_dir / "exports" / f"step_{trainer.version}")
                 row["export_s"] = time.monotonic() - t
             if metrics:
                 metrics.write(row)
@@ -446,7 +444,7 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
                 metrics.write(eval_row)
                 trainer.note_eval_score(eval_row["eval_accuracy"])  # for trainer.ref_reset_patience
             # the main process pushed the weights to the engines (and maybe evaluated) alone
-            host_barrier(f"step {trainer.version}'s weight push and held-out evaluation")
+            trainer.barrier(f"step {trainer.version}'s weight push and held-out evaluation")
             last = time.monotonic()
             save_now, stopped = checkpoints.decide(stop.requested)
             if save_now and not stopped:
@@ -465,24 +463,14 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None) -> int:
     checkpoints.save(step_position)
     if failure is not None:
         log.error("%s", failure)
-        evaluator.close()
-        trainer.close()
         return NON_FINITE_EXIT
     if stopped:
         signum = stop.signum or signal.SIGTERM
         log.warning("stopped by %s at version %d of %d: checkpoint saved; rerun the same command to resume",
                     signal.Signals(signum).name, trainer.version, cfg.trainer.max_steps)
-        evaluator.close()
-        trainer.close()
         return 128 + signum
-    export_hf(trainer, run_dir / "final_model")
-    evaluator.close()
+    trainer.export(run_dir / "final_model")
     announce(control, {"kind": "done", "version": trainer.version})
-    if control:
-        control.close()
-    trainer.close()
-    if group is not None:
-        group.destroy()
     return 0
 
 

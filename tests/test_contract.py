@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipelinerl.contracts.openapi import build_openapi, render_openapi
-from pipelinerl.engines.server import create_app, error_response
+from pipelinerl.contracts.routes import create_app, error_response
 
 ROOT = Path(__file__).resolve().parents[1]
 

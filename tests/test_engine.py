@@ -20,10 +20,10 @@ from pipelinerl.contracts.inference import (
     SamplingParams,
     UpdateWeightsRequest,
 )
+from pipelinerl.contracts.routes import ContractError
 from pipelinerl.engines.client import EngineError, init_group_on_engines, param_specs, push_weights
 from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings, tensor_checksums
 from pipelinerl.engines.embedded.packed import PackedLayout
-from pipelinerl.engines.server import ContractError
 from pipelinerl.procs import free_port
 from pipelinerl.weight_sync import broadcast_tensors, init_weight_update_group
 

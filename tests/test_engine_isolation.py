@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 import pipelinerl.engines.embedded.engine as engine_module
 from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
+from pipelinerl.contracts.routes import ContractError
 from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
-from pipelinerl.engines.server import ContractError
 
 PROMPTS = [[5 + i, 6, 67, 7, 8] for i in range(8)]
 BAD_TOP_K = 8354693991844048242084937728  # the value that failed a whole batch of the embedded engine

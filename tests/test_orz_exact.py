@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import reward_agreement as agr
 from pipelinerl.rewards import RewardPool, RewardResult
-from pipelinerl.rewards import agreement as agr
 from pipelinerl.rewards.choice import choice_reward, chosen_option, is_choice_problem, score_choice
 from pipelinerl.rewards.orz_exact import (
     distinct_substrings,

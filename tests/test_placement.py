@@ -6,9 +6,10 @@ import time
 
 import pytest
 
+from pipelinerl.auth import is_loopback
 from pipelinerl.config import ConfigError, RunConfig, load_config
 from pipelinerl.nodes import ModelReady, NodeLost, NodeRendezvous
-from pipelinerl.placement import NodeEnv, advertised_host, gpu_env, is_loopback, plan_node
+from pipelinerl.placement import NodeEnv, advertised_host, gpu_env, plan_node
 from pipelinerl.procs import free_port
 
 

@@ -66,7 +66,7 @@ ENGINE = '''
 import os
 from pathlib import Path
 
-from pipelinerl.engines.kind import EngineKind
+from pipelinerl.contracts.engine import EngineKind
 
 
 def serve(args):
@@ -143,14 +143,14 @@ def test_registries_own_the_names_the_config_accepts():
     assert TASKS.names() == ["arithmetic", "code", "math"]
     assert REWARD_RULES.names() == ["math", "orz", "orz_exact"]
     assert ENGINES.names() == ["embedded", "sglang", "vllm"]
-    from pipelinerl.engines.kind import engine_kind
+    from pipelinerl.contracts.engine import engine_kind
 
     assert [engine_kind(n).name for n in ENGINES.names()] == ENGINES.names()  # each kind's object says its name
     with pytest.raises(ConfigError, match="engine.kind: must be one of embedded, sglang, vllm"):
         load_config(None, ["run_dir=x", "model.path=m", "engine.kind=tgi"])
     with pytest.raises(ConfigError, match="engine.kind: .*cannot import module 'nowhere'"):
         load_config(None, ["run_dir=x", "model.path=m", "engine.kind=nowhere:KIND"])
-    with pytest.raises(ConfigError, match="engine.kind: .*not a pipelinerl.engines.kind.EngineKind"):
+    with pytest.raises(ConfigError, match="engine.kind: .*not a pipelinerl.contracts.engine.EngineKind"):
         load_config(None, ["run_dir=x", "model.path=m", "engine.kind=os.path:join", "engine.tensor_parallel_size=2"])
 
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from pipelinerl.contracts.inference import InitWeightUpdateGroupRequest, ParamSpec, UpdateWeightsRequest
+from pipelinerl.contracts.routes import ContractError
 from pipelinerl.engines.common import ModelFacts, versions_from_spans
-from pipelinerl.engines.server import ContractError
 from pipelinerl.engines.sglang import sglang_command
 from pipelinerl.engines.sglang.front import SGLangBackend, SGLangSettings, _span, update_chunks
 from pipelinerl.procs import free_port, start_process, stop_process, tail, wait_for_port

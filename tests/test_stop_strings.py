@@ -260,8 +260,8 @@ def fast_kernels(monkeypatch):
 def test_engine_without_tokenizer_refuses_stop_strings(tiny_model_dir, fast_kernels):
     from transformers import AutoModelForCausalLM
 
+    from pipelinerl.contracts.routes import ContractError
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
-    from pipelinerl.engines.server import ContractError
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     engine = EmbeddedEngine(model, str(tiny_model_dir), EngineSettings(max_running_seqs=2, max_model_len=64))

@@ -25,6 +25,7 @@ from conftest import wait_until
 
 from pipelinerl.conformance import PASS, Reference, Settings, format_table, mismatch, run_suite
 from pipelinerl.contracts.inference import InitWeightUpdateGroupRequest
+from pipelinerl.contracts.routes import ContractError
 from pipelinerl.engines.client import (
     EngineClient,
     EngineError,
@@ -32,7 +33,6 @@ from pipelinerl.engines.client import (
     push_weights,
     send_update_and_broadcast,
 )
-from pipelinerl.engines.server import ContractError
 from pipelinerl.engines.vllm import launcher
 from pipelinerl.engines.vllm.front import ReceiveNotices, check_group_ranks, merge_receive_status
 from pipelinerl.engines.vllm.worker_extension import STAGING_SLACK_BYTES, group_rank, notify_front, staging_device

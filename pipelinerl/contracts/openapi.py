@@ -7,7 +7,7 @@ from typing import Any
 
 
 def build_openapi() -> dict[str, Any]:
-    from pipelinerl.engines.server import create_app
+    from pipelinerl.contracts.routes import create_app
 
     return create_app(None).openapi()
 

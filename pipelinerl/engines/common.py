@@ -26,7 +26,7 @@ from pipelinerl.contracts.inference import (
     ParamSpec,
     SamplingParams,
 )
-from pipelinerl.engines.server import ContractError, render_metrics
+from pipelinerl.contracts.routes import ContractError, render_metrics
 from pipelinerl.engines.stops import text_through_stop
 
 

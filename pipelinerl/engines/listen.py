@@ -1,5 +1,5 @@
 """The servers' listening socket and their uvicorn loop, with a bounded shutdown: every engine kind serves its app
-(pipelinerl.engines.server.create_app) through `run_server`."""
+(pipelinerl.contracts.routes.create_app) through `run_server`."""
 
 from __future__ import annotations
 

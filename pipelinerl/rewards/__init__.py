@@ -1,6 +1,6 @@
 """The reward service: a crash-isolated process pool running task verifiers, math answer checking (math-verify in
 `math`, Open-Reasoner-Zero's own check in `orz_exact`, multiple choice in `choice`), and length shaping (`shaping`).
-`agreement` measures how the two ORZ rules differ."""
+`bench/reward_agreement.py` measures how the two ORZ rules differ."""
 
 from __future__ import annotations
 

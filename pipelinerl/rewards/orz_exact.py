@@ -31,8 +31,8 @@ Parser: ORZ ran sympy's ANTLR-generated LaTeX parser with antlr4-python3-runtime
 runtime (math-verify's latex2sympy2_extended needs it) and sympy refuses any runtime but 4.11 by a version-string
 check. Runtimes from 4.10 on read the same serialized grammar, so `_sympy_parse_latex` lets sympy's parser run on
 4.13 (and silences ANTLR's version-mismatch print). Checked against ORZ's own `math_utils.py` run with sympy 1.14 and
-antlr4-python3-runtime 4.11 (outside this project): the same verdict on all 3521 cases of `agreement` and on every
-pair in tests/test_orz_exact.py.
+antlr4-python3-runtime 4.11 (outside this project): the same verdict on all 3521 cases of
+`bench/reward_agreement.py` and on every pair in tests/test_orz_exact.py.
 
 Timeouts: as in `math.py`, a SIGALRM bound (`ORZ_SYMPY_TIMEOUT_S`, ORZ's own 1 s) is used only in a process's main
 thread with SIGALRM unused, i.e. in a reward pool worker; a slow sympy evaluation then gives a 0 with a reason.

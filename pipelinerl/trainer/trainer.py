@@ -26,6 +26,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -257,6 +258,45 @@ class Trainer:
     def version(self) -> int:
         """Weight version of the current parameters: 0 for the initial model, +1 per applied optimizer step."""
         return self._version
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def num_processes(self) -> int:
+        return self.accelerator.num_processes
+
+    def any_process(self, *flags: bool) -> list[bool]:
+        """For each flag, whether it holds on any trainer process (one small all-reduce when there are several)."""
+        if self.accelerator.num_processes == 1:
+            return list(flags)
+        t = torch.tensor([float(f) for f in flags], device=self.accelerator.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [v > 0 for v in t.tolist()]
+
+    def barrier(self, after: str) -> None:
+        """See `ranks.host_barrier`: outside the trainer's collectives, bounded by main_process_timeout_s."""
+        from pipelinerl.trainer.ranks import host_barrier
+
+        host_barrier(after)
+
+    # --- state on disk: trainer/checkpoint.py ----------------------------------------------------------------
+
+    def save_checkpoint(self, ckpt_dir: Path, data_position: dict[str, Any]) -> Path:
+        from pipelinerl.trainer.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, ckpt_dir, data_position)
+
+    def load_checkpoint(self, ckpt_dir: Path) -> dict[str, Any]:
+        from pipelinerl.trainer.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, ckpt_dir)
+
+    def export(self, out_dir: Path) -> Path:
+        from pipelinerl.trainer.checkpoint import export_hf
+
+        return export_hf(self, out_dir)
 
     @property
     def bucket_bytes(self) -> int:

@@ -39,13 +39,13 @@ from pipelinerl.contracts.inference import (
     UpdateWeightsResponse,
     WeightsChecksumResponse,
 )
+from pipelinerl.contracts.routes import ContractError, render_metrics
 from pipelinerl.engines.common import check_generate, check_update, completions_via_generate
 from pipelinerl.engines.embedded.cpus import CpuSplit
 from pipelinerl.engines.embedded.model_runner import copy_slot, make_runner
 from pipelinerl.engines.embedded.receiving import EngineSide, PendingSwitch, ProcessReceiver, make_receiver
 from pipelinerl.engines.embedded.sampling import SamplingBatch, sample_batch
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
-from pipelinerl.engines.server import ContractError, render_metrics
 from pipelinerl.engines.stops import StopStrings, StopTokenizer, StopWatch
 from pipelinerl.weight_sync import DTYPE_NAMES, DTYPES, TensorSpec, WeightSyncError
 
@@ -140,7 +140,7 @@ class Metrics:
 
 
 class EmbeddedEngine:
-    """Implements `pipelinerl.engines.server.EngineBackend` for a transformers causal LM."""
+    """Implements `pipelinerl.contracts.routes.EngineBackend` for a transformers causal LM."""
 
     def __init__(self, model: torch.nn.Module, model_name: str, settings: EngineSettings, tokenizer=None,
                  cpus: CpuSplit | None = None):

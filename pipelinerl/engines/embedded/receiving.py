@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from pipelinerl.contracts.inference import InitWeightUpdateGroupRequest
+from pipelinerl.contracts.routes import ContractError
 from pipelinerl.engines.embedded.cpus import CpuSplit
 from pipelinerl.engines.embedded.receiver import ReceiverDied, ReceivingProcess, Setup, shared_memory_shortfall
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
 from pipelinerl.engines.embedded.transpose import UpdateCopies
-from pipelinerl.engines.server import ContractError
 from pipelinerl.weight_sync import (
     JOIN_GRACE_S,
     TensorSpec,

@@ -32,9 +32,9 @@ def build_app(args: argparse.Namespace):
     # before it starts any role, and torch's import (1.6 s on 2 cores) delayed every role's start by as much
     import torch
 
+    from pipelinerl.contracts.routes import create_app
     from pipelinerl.engines.embedded.cpus import CpuListError, CpuSplit, parse_cpu_list
     from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
-    from pipelinerl.engines.server import create_app
 
     if args.threads:
         torch.set_num_threads(args.threads)

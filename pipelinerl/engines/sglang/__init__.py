@@ -99,9 +99,9 @@ def port_in_use(port: int) -> bool:
 
 def serve(args: argparse.Namespace) -> None:
     """Start SGLang, wait until it is healthy, then serve the contract on `args.host:args.port`."""
+    from pipelinerl.contracts.routes import create_app
     from pipelinerl.engines.common import load_tokenizer, model_facts
     from pipelinerl.engines.listen import run_server
-    from pipelinerl.engines.server import create_app
     from pipelinerl.engines.sglang.front import SGLangBackend, SGLangSettings
 
     try:

@@ -67,6 +67,7 @@ from pipelinerl.contracts.inference import (
     UpdateWeightsResponse,
     WeightsChecksumResponse,
 )
+from pipelinerl.contracts.routes import ContractError
 from pipelinerl.engines.common import (
     FrontMetrics,
     ModelFacts,
@@ -78,7 +79,6 @@ from pipelinerl.engines.common import (
     param_nbytes,
     versions_from_spans,
 )
-from pipelinerl.engines.server import ContractError
 from pipelinerl.engines.stops import apply_stop
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class SGLangSettings:
 
 
 class SGLangBackend:
-    """Implements `pipelinerl.engines.server.EngineBackend` over SGLang's native HTTP API at `url`."""
+    """Implements `pipelinerl.contracts.routes.EngineBackend` over SGLang's native HTTP API at `url`."""
 
     def __init__(self, url: str, model_name: str, facts: ModelFacts, settings: SGLangSettings, tokenizer=None):
         self.url, self.model_name, self.facts, self.settings = url.rstrip("/"), model_name, facts, settings

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import TYPE_CHECKING
 
-from pipelinerl.engines.kind import EngineKind
+from pipelinerl.contracts.engine import EngineKind
 
 if TYPE_CHECKING:
     from pipelinerl.config import RunConfig

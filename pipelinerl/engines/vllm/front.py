@@ -41,6 +41,7 @@ from pipelinerl.contracts.inference import (
     UpdateWeightsResponse,
     WeightsChecksumResponse,
 )
+from pipelinerl.contracts.routes import ContractError
 from pipelinerl.engines.common import (
     FrontMetrics,
     ModelFacts,
@@ -52,7 +53,6 @@ from pipelinerl.engines.common import (
     param_nbytes,
     versions_from_spans,
 )
-from pipelinerl.engines.server import ContractError
 from pipelinerl.engines.stops import apply_stop
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def check_group_ranks(req: InitWeightUpdateGroupRequest, workers: int) -> None:
 
 
 class VLLMBackend:
-    """Implements `pipelinerl.engines.server.EngineBackend` over vLLM's HTTP API at `url`."""
+    """Implements `pipelinerl.contracts.routes.EngineBackend` over vLLM's HTTP API at `url`."""
 
     def __init__(self, url: str, model_name: str, facts: ModelFacts, settings: FrontSettings, tokenizer=None,
                  uds: str | None = None):

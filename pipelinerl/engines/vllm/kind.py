@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from pipelinerl.engines.kind import EngineKind
+from pipelinerl.contracts.engine import EngineKind
 
 
 def install_problem(gpu: bool) -> str | None:

@@ -55,5 +55,5 @@ def engine_kind(name: str) -> EngineKind:
 
     kind = ENGINES.get(name)
     if not isinstance(kind, EngineKind):
-        raise TypeError(f"engine kind {name!r} is {kind!r}, not a pipelinerl.engines.kind.EngineKind")
+        raise TypeError(f"engine kind {name!r} is {kind!r}, not a pipelinerl.contracts.engine.EngineKind")
     return kind
