@@ -47,7 +47,7 @@ PIN_TORCH = $(PINS) torch > $(TORCH_PIN)
 TORCH_IS_BUILD = $(BIN)/python -c "import importlib.metadata as m, sys; sys.exit(('+cpu' in m.version('torch')) != ('$(BUILD)' == 'cpu'))"
 
 # `make install-vllm`; `make test` also installs vLLM (CPU build here) so its tests run for real.
-include launch/vllm_install.mk
+include configs/vllm_install.mk
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -120,7 +120,7 @@ run-1gpu:
 
 # Qwen2.5-32B on 4 nodes of 8 GPUs, submitted to SLURM. The venv is built here with the GPU build (GPU=1: CUDA torch
 # and vLLM's GPU wheel install on a login node without GPUs) on the filesystem the nodes share, with the data; the
-# job checks on its first node that torch sees the GPUs before any node starts (launch/slurm/pipelinerl.sbatch).
+# job checks on its first node that torch sees the GPUs before any node starts (configs/slurm/pipelinerl.sbatch).
 # Without SLURM, the command for every node.
 SBATCH_ARGS ?=
 run-32b:
@@ -136,7 +136,7 @@ run-32b:
 	$(BIN)/python -m pipelinerl.gpu_setup check recipes/orz_32b.yaml $(ARGS)
 	@mkdir -p logs
 	@job=$$(PIPELINERL_VENV=$(abspath $(VENV)) sbatch --parsable --nodes 4 --gpus-per-node 8 $(SBATCH_ARGS) \
-	  launch/slurm/pipelinerl.sbatch recipes/orz_32b.yaml $(ARGS)) || exit 1; job=$${job%%;*}; \
+	  configs/slurm/pipelinerl.sbatch recipes/orz_32b.yaml $(ARGS)) || exit 1; job=$${job%%;*}; \
 	  echo "submitted SLURM job $$job: its log is logs/pipelinerl-$$job.out (tail -f it; squeue -j $$job; scancel $$job)"
 
 # The tiny recipe twice, pipelined (max_lag 2) and synchronous (max_lag 0): one PNG of both curves against

@@ -293,7 +293,7 @@ class TrainerConfig:
     # nodes the trainer spans: nodes 0 .. num_nodes-1 of a multi-node run (WORLD_SIZE), each running an equal share
     # of num_processes, with engines on their other GPUs; global rank 0 (on node 0) alone talks to the engines
     num_nodes: int = 1
-    # an accelerate config (launch/accelerate/*.yaml: DeepSpeed ZeRO-3, FSDP) used when num_processes > 1;
+    # an accelerate config (configs/accelerate/*.yaml: DeepSpeed ZeRO-3, FSDP) used when num_processes > 1;
     # empty: plain data parallel (DDP)
     accelerate_config: str = ""
     temperature: float = 1.0  # the sampling temperature: trainer log-probs use logits / temperature, as the engine
@@ -389,7 +389,7 @@ class TrainerConfig:
         _check(self.collective_timeout_s > 0, "trainer.collective_timeout_s", "must be > 0")
         _check(self.main_process_timeout_s > 0, "trainer.main_process_timeout_s", "must be > 0")
         _check(self.accelerate_config == "" or Path(self.accelerate_config).is_file(), "trainer.accelerate_config",
-               f"no such file {self.accelerate_config!r} (see launch/accelerate/)")
+               f"no such file {self.accelerate_config!r} (see configs/accelerate/)")
 
 
     def _check_algorithm(self) -> None:

@@ -765,7 +765,7 @@ def missing_resources(cfg: RunConfig, recipe: str, node: NodeEnv, gpus: int) -> 
         problems.append(f"resources.nodes: the recipe runs on {r.nodes} nodes, this launch has WORLD_SIZE="
                         f"{node.world_size}; start it on every node with WORLD_SIZE, RANK, MASTER_ADDR and "
                         f"MASTER_PORT set, or on SLURM: sbatch --nodes {r.nodes} --gpus-per-node {r.gpus_per_node} "
-                        f"launch/slurm/pipelinerl.sbatch {recipe}")
+                        f"configs/slurm/pipelinerl.sbatch {recipe}")
     return problems
 
 

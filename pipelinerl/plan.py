@@ -257,7 +257,7 @@ def _read_yaml(path: Path, key: str) -> dict[str, Any]:
 
 def _find(name: str, near: Path) -> Path | None:
     """A path named in a config file: relative to the working directory (as the launcher resolves it), or to
-    a directory above the file that names it (launch/deepspeed/... from launch/accelerate/...)."""
+    a directory above the file that names it (configs/deepspeed/... from configs/accelerate/...)."""
     for base in (Path.cwd(), *near.resolve().parents):
         if (base / name).is_file():
             return base / name
@@ -783,7 +783,7 @@ class _Option:
 
 
 OFFLOAD_TEXT = ("DeepSpeed ZeRO-3 with {what} offloaded to CPU (trainer.accelerate_config: an accelerate YAML "
-                "naming a copy of launch/deepspeed/zero3.json with {keys} and zero_force_ds_cpu_optimizer=false, as "
+                "naming a copy of configs/deepspeed/zero3.json with {keys} and zero_force_ds_cpu_optimizer=false, as "
                 "the trainer builds torch AdamW)")
 
 
@@ -875,7 +875,7 @@ def _trainer_options(cfg: RunConfig, plan: Plan) -> list[_Option]:
                     {"trainer": {"micro_batch_tokens": size}}, sharding))
     # more trainer GPUs, sharded: the fewest that fit (or all the trainer nodes can give), the same on each
     most = cluster.gpus_per_node * t.num_nodes - (0 if cluster.nodes > t.num_nodes or plan.colocated else 1)
-    zero3 = "launch/accelerate/deepspeed_zero3.yaml"
+    zero3 = "configs/accelerate/deepspeed_zero3.yaml"
     for ranks in range(t.num_processes + 1, most + 1):
         if ranks % t.num_nodes:
             continue

@@ -371,7 +371,7 @@ def zero3_worker(model_dir: str, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_zero3_with_checkpointing_and_chunked_head_matches_one_process(tiny_model_dir, tmp_path):
-    """Two CPU ranks under DeepSpeed ZeRO-3 (launch/accelerate/deepspeed_zero3.yaml, gloo), with gradient
+    """Two CPU ranks under DeepSpeed ZeRO-3 (configs/accelerate/deepspeed_zero3.yaml, gloo), with gradient
     checkpointing and the chunked head, against one process with neither: same loss, entropy, KL and gradient
     norm, and the same parameters after the step; each rank's decoder layers ran twice per training
     micro-batch (the proximal pass runs without grad, once)."""
@@ -380,7 +380,7 @@ def test_zero3_with_checkpointing_and_chunked_head_matches_one_process(tiny_mode
 
     out, log = tmp_path / "zero3.pt", tmp_path / "zero3.log"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           "launch/accelerate/deepspeed_zero3.yaml", "--num_processes", "2", "--main_process_port", str(free_port()),
+           "configs/accelerate/deepspeed_zero3.yaml", "--num_processes", "2", "--main_process_port", str(free_port()),
            str(Path(__file__).resolve()), "zero3", str(tiny_model_dir), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -63,7 +63,7 @@ def launch(mode: str, model_dir: Path, engine_url: str, tmp_path: Path, processe
     script = [str(Path(__file__).resolve()), mode, str(model_dir), engine_url, str(tmp_path)]
     if mode.startswith("zero3"):
         config = "deepspeed_zero3_offload.yaml" if "offload" in mode else "deepspeed_zero3.yaml"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"launch/accelerate/{config}",
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{config}",
                "--num_processes", str(processes), "--main_process_port", str(free_port()), *script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),

@@ -133,7 +133,7 @@ def test_config_keys_are_validated():
     with pytest.raises(ConfigError, match="trainer.num_processes: 3 processes do not divide evenly over "
                                           "trainer.num_nodes 2"):
         config("trainer.num_nodes=2", "trainer.num_processes=3")
-    config("trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml")
+    config("trainer.accelerate_config=configs/accelerate/deepspeed_zero3.yaml")
 
 
 # --- the rendezvous, over a real TCPStore on loopback ---------------------------------------------------------
@@ -293,8 +293,8 @@ def test_trainer_command_per_setting():
     assert cpu[3:6] == ["torch.distributed.run", "--standalone", "--nproc-per-node"] and cpu[-5:] == role
     gpu = cmd(4, "trainer.num_processes=4")
     assert "accelerate.commands.launch" in gpu and "--multi_gpu" in gpu and gpu[-5:] == role
-    zero3 = cmd(4, "trainer.num_processes=4", "trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml")
-    assert zero3[zero3.index("--config_file") + 1] == "launch/accelerate/deepspeed_zero3.yaml"
+    zero3 = cmd(4, "trainer.num_processes=4", "trainer.accelerate_config=configs/accelerate/deepspeed_zero3.yaml")
+    assert zero3[zero3.index("--config_file") + 1] == "configs/accelerate/deepspeed_zero3.yaml"
     assert "--multi_gpu" not in zero3 and zero3[zero3.index("--num_processes") + 1] == "4"
 
 
@@ -316,7 +316,7 @@ def test_trainer_command_for_a_share_of_a_trainer_over_several_nodes():
     assert [value(gpu, f) for f in ("--num_processes", "--num_machines", "--machine_rank", "--main_process_ip",
                                     "--main_process_port")] == ["8", "2", "1", "10.0.0.1", "4321"]
     assert "--multi_gpu" in gpu and "--deepspeed_multinode_launcher" not in gpu
-    zero3 = cmd(4, "trainer.num_processes=8", "trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml")
+    zero3 = cmd(4, "trainer.num_processes=8", "trainer.accelerate_config=configs/accelerate/deepspeed_zero3.yaml")
     assert value(zero3, "--deepspeed_multinode_launcher") == "standard"  # not pdsh: each node starts its own share
 
 

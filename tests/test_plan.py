@@ -33,7 +33,7 @@ N_7B = 2 * V * H + L * LAYER + H  # untied embedding and LM head, final norm
 
 @pytest.fixture(autouse=True)
 def in_repo(monkeypatch):
-    monkeypatch.chdir(REPO)  # recipes name launch/accelerate/... relative to the repository
+    monkeypatch.chdir(REPO)  # recipes name configs/accelerate/... relative to the repository
 
 
 def recipe(name: str, *overrides: str):
@@ -229,7 +229,7 @@ def test_multi_node_recipes_place_engines_on_every_node_and_need_a_reachable_hos
 
 
 def test_sharding_is_read_from_the_accelerate_and_deepspeed_configs(tmp_path):
-    fsdp = recipe("orz_7b.yaml", "trainer.accelerate_config=launch/accelerate/fsdp.yaml")
+    fsdp = recipe("orz_7b.yaml", "trainer.accelerate_config=configs/accelerate/fsdp.yaml")
     assert detect_sharding(fsdp).kind == "fsdp"
     assert detect_sharding(recipe("orz_7b.yaml", "trainer.accelerate_config=''")).kind == "ddp"
     assert detect_sharding(recipe("orz_7b.yaml", "trainer.accelerate_config=''", "trainer.num_processes=1")).kind \

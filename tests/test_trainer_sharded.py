@@ -1,5 +1,5 @@
 """The trainer sharded over two CPU processes (gloo): DeepSpeed ZeRO-3 launched as on GPUs (`accelerate launch`
-with `launch/accelerate/deepspeed_zero3.yaml`), and FSDP2. Each trains a few steps, gathers the full parameters
+with `configs/accelerate/deepspeed_zero3.yaml`), and FSDP2. Each trains a few steps, gathers the full parameters
 (`Trainer.full_parameters`, the sharded code paths) and broadcasts them to a real engine; the gathered weights
 must match an unsharded trainer that saw the same batches, and the engine must hold them bit for bit.
 
@@ -79,7 +79,7 @@ def run_sharded(mode: str, model_dir: Path, engine_url: str, tmp_path: Path) -> 
         config = {"deepspeed": "deepspeed_zero3.yaml", "deepspeed_offload": "deepspeed_zero3_offload.yaml",
                   "memory-deepspeed": "deepspeed_zero3.yaml", "critic-deepspeed": "deepspeed_zero3.yaml"}[mode]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               f"launch/accelerate/{config}", "--num_processes", "2", "--main_process_port",
+               f"configs/accelerate/{config}", "--num_processes", "2", "--main_process_port",
                str(free_port()), *script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script]
@@ -157,7 +157,7 @@ def test_deepspeed_zero3_on_cpu_matches_unsharded_and_reaches_engine(tiny_model_
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="deepspeed is not installed (pip install deepspeed; the `gpu` extra has it)")
 def test_deepspeed_zero3_optimizer_offload_matches_unsharded(tiny_model_dir, engine, unsharded, tmp_path):
-    """launch/accelerate/deepspeed_zero3_offload.yaml (what `pipelinerl plan` suggests when the optimizer state
+    """configs/accelerate/deepspeed_zero3_offload.yaml (what `pipelinerl plan` suggests when the optimizer state
     does not fit): DeepSpeed takes the trainer's torch AdamW over the offloaded state, and training is the same."""
     got = run_sharded("deepspeed_offload", tiny_model_dir, engine.url, tmp_path)
     assert got["distributed_type"] == "DEEPSPEED" and got["is_zero3"] and got["offload_optimizer"]
@@ -237,7 +237,7 @@ def fsdp_accelerator_on_cpu():
     assert accelerator.num_processes == 2, "run under torchrun with two processes"
     accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
-        state_dict_type="SHARDED_STATE_DICT")  # as launch/accelerate/fsdp.yaml
+        state_dict_type="SHARDED_STATE_DICT")  # as configs/accelerate/fsdp.yaml
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     return accelerator

@@ -1,7 +1,7 @@
 """The trainer: one policy, one AdamW, one optimizer step per batch of scored samples, weights pushed to engines.
 
 accelerate is both the launcher and the wrapper: on a laptop `Accelerator(cpu=True)` leaves the model as it is
-(fp32); on GPUs the same code runs under DeepSpeed ZeRO-3 or FSDP from `launch/accelerate/*.yaml` (bf16). The
+(fp32); on GPUs the same code runs under DeepSpeed ZeRO-3 or FSDP from `configs/accelerate/*.yaml` (bf16). The
 few places where sharding matters (gathering full parameters, the DeepSpeed backward/step) are marked.
 
 `optimizer_step` reads top to bottom:

@@ -65,7 +65,7 @@ def test_tiny_recipe_over_nccl_between_two_gpus(tmp_path):
 
 @needs_gpus(2, "a trainer of two processes, one GPU each")
 def test_zero3_trainer_on_two_gpus_pushes_to_an_engine(tmp_path):
-    """DeepSpeed ZeRO-3 over GPUs 0 and 1 (`launch/accelerate/deepspeed_zero3.yaml`), the parameters gathered one
+    """DeepSpeed ZeRO-3 over GPUs 0 and 1 (`configs/accelerate/deepspeed_zero3.yaml`), the parameters gathered one
     bucket at a time and broadcast by rank 0: with a third GPU the engine has one of its own and NCCL carries
     the weights, with two it shares GPU 0 and gloo does."""
     run_dir = tmp_path / "run"
@@ -73,7 +73,7 @@ def test_zero3_trainer_on_two_gpus_pushes_to_an_engine(tmp_path):
     where = (["weight_sync.backend=auto"] if gpu_count() >= 3 else ["engine.colocate_with_trainer=true"])
     result = pipelinerl_run("tiny_cpu.yaml", run_dir, f"trainer.max_steps={steps}", "trainer.eval_every=0",
                             "trainer.num_processes=2",
-                            "trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml", *where)
+                            "trainer.accelerate_config=configs/accelerate/deepspeed_zero3.yaml", *where)
     finished(result, run_dir, steps)
     assert "trainer on GPUs 0,1" in result.stdout, result.stdout
     # DeepSpeed wrote one ZeRO partition per rank into the final checkpoint (accelerate's save_state)

@@ -29,13 +29,13 @@ def test_embedded_engine_on_a_gpu_passes_the_conformance_suite(gpu_model_dir, tm
 
 
 def test_zero3_trainer_of_one_process_on_a_gpu_pushes_to_an_engine(tmp_path):
-    """`launch/accelerate/deepspeed_zero3.yaml` with one process: DeepSpeed's ZeRO-3 engine on CUDA in bfloat16,
+    """`configs/accelerate/deepspeed_zero3.yaml` with one process: DeepSpeed's ZeRO-3 engine on CUDA in bfloat16,
     its gathered parameters pushed over gloo into the engine beside it on GPU 0, every step."""
     run_dir = tmp_path / "run"
     steps = 5
     result = pipelinerl_run("tiny_cpu.yaml", run_dir, f"trainer.max_steps={steps}", "trainer.eval_every=0",
                             "trainer.num_processes=1",
-                            "trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml",
+                            "trainer.accelerate_config=configs/accelerate/deepspeed_zero3.yaml",
                             "engine.colocate_with_trainer=true")
     finished(result, run_dir, steps)
     assert "trainer on GPUs 0" in result.stdout, result.stdout
@@ -58,7 +58,7 @@ def test_ppo_with_a_critic_under_zero3_on_one_gpu(tmp_path):
                             "trainer.advantage=gae", f"trainer.critic.updates={updates}", "trainer.critic.lr=1e-4",
                             "trainer.gradient_checkpointing=true", "actor.dynamic_sampling=false",
                             "trainer.num_processes=1",
-                            "trainer.accelerate_config=launch/accelerate/deepspeed_zero3.yaml",
+                            "trainer.accelerate_config=configs/accelerate/deepspeed_zero3.yaml",
                             "engine.colocate_with_trainer=true")
     rows = [r for r in finished(result, run_dir, steps) if "eval_accuracy" not in r]
     assert resolved(run_dir)["model"]["dtype"] == "bfloat16"

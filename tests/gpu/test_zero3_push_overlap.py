@@ -34,7 +34,7 @@ def test_the_direct_gather_is_not_slower_than_deepspeeds_and_overlaps_the_broadc
         for how in ("deepspeed", "direct"):
             out = tmp_path / f"{how}.json"
             cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   "launch/accelerate/deepspeed_zero3.yaml", "--num_processes", "2", "--main_process_port",
+                   "configs/accelerate/deepspeed_zero3.yaml", "--num_processes", "2", "--main_process_port",
                    str(free_port()), str(Path(__file__).with_name("zero3_push_worker.py")), str(model), engine.url,
                    str(out)]
             env = {**os.environ, **gpu_env((0, 1), os.environ.get("CUDA_VISIBLE_DEVICES")),

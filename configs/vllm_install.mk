@@ -2,7 +2,7 @@
 #
 # Include it from the Makefile after VENV, BIN, STAMP, HAS_GPU, TORCH_VERSION, ENSURE_UV, PINS and UV_INSTALL are
 # defined:
-#     include launch/vllm_install.mk
+#     include configs/vllm_install.mk
 # Targets:
 #     make install-vllm        install (once per kind of build; a stamp file remembers), fail if it cannot
 #     make test                also tries install-vllm first; if that fails the vLLM tests skip, saying why
@@ -35,7 +35,7 @@ VLLM_CONSTRAINTS := $(VENV)/vllm-constraints.txt
 
 install-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): $(STAMP) launch/vllm_install.mk
+$(VLLM_STAMP): $(STAMP) configs/vllm_install.mk
 	rm -f $(VENV)/.vllm-installed $(VENV)/.vllm-installed-gpu $(VENV)/.vllm-installed-cpu
 	$(PINS) torch transformers > $(VLLM_CONSTRAINTS)
 	$(ENSURE_UV)
