@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 # order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
-.PHONY: install pins fuzz chaos run compare compare-algorithms compare-critic compare-tools compare-trl test test-quick test-gpu bench lint format openapi clean data-orz run-orz-cpu run-1gpu run-7b run-32b
+.PHONY: install pins fuzz chaos run compare compare-algorithms compare-critic rehearsal-seeds compare-tools compare-trl test test-quick test-gpu bench lint format openapi config-reference clean data-orz run-orz-cpu run-1gpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -153,6 +153,12 @@ compare-algorithms: $(STAMP)
 compare-critic: $(STAMP)
 	$(BIN)/python -m bench.orz_critic $(ARGS)
 
+# make test's ORZ rehearsal (tests/test_orz_rehearsal.py: PPO with the critic) on several seeds, two at a time, each
+# held to the same checks; SEEDS=0,1 for fewer (about 6 minutes a pair on 2 cores)
+rehearsal-seeds: $(STAMP)
+	PIPELINERL_REHEARSAL_SEEDS=$(or $(SEEDS),0,1,2,3,4,5) $(BIN)/python -m pytest -q -s -n 2 \
+	  tests/test_orz_rehearsal.py
+
 # the code recipes: tiny_code_cpu's learning curve, and the interpreter as a tool against single-turn (docs/code.md)
 compare-tools: $(STAMP)
 	$(BIN)/python -m bench.code_tasks
@@ -210,6 +216,10 @@ format: $(STAMP)
 
 openapi: $(STAMP)
 	$(BIN)/python -m pipelinerl.contracts.openapi > contracts/openapi.json
+
+# docs/config_reference.md from the config's dataclasses and their comments (tests/test_contract.py checks it fresh)
+config-reference: $(STAMP)
+	$(BIN)/python -m pipelinerl.config_reference > docs/config_reference.md
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

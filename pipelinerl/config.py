@@ -68,7 +68,7 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    kind: str = "embedded"
+    kind: str = "embedded"  # embedded | vllm | sglang (pipelinerl.plugins.ENGINES), or package.module:KIND of your own
     # engines per node, one GPU each on GPU machines; 0 there fills the node: one engine per GPU the trainer
     # does not use
     num_engines: int = 1
@@ -120,10 +120,10 @@ class EngineConfig:
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # of the engines' sampling; the trainer's log-probs take the same (trainer.temperature)
+    top_p: float = 1.0  # nucleus sampling; 1: off
     top_k: int = 0  # 0 disables top-k
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64  # output tokens per attempt; an output cut there has finish_reason "length"
     group_size: int = 8  # attempts per prompt (G)
     # strings that end a generation, kept in the output (ORZ: "</answer>", "User:", ...; the contract's
     # `sampling.stop`: the token that completes one is the last one returned)
@@ -203,13 +203,14 @@ class CriticConfig:
 
 @dataclass
 class TrainerConfig:
-    lr: float = 1e-6
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
+    lr: float = 1e-6  # the policy's AdamW learning rate (after warm-up; the schedule's peak)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's
+    weight_decay: float = 0.0  # AdamW's
+    warmup_steps: int = 0  # steps over which the learning rate rises linearly from 0 to lr
     schedule: str = "constant"  # or cosine
-    grad_clip: float = 1.0
-    samples_per_step: int = 64
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0: no clipping
+    samples_per_step: int = 64  # samples per optimizer step (a multiple of sampling.group_size: whole groups)
+    # tokens per packed micro-batch of the trainer's forward and backward passes (at least engine.max_model_len)
     micro_batch_tokens: int = 4096
     # RL algorithm: names registered in pipelinerl/rl/losses.py and advantages.py (pipelinerl/rl/registry.py), or a
     # function of your own as package.module:function. See the README's algorithm table for each one's keys.
@@ -489,8 +490,8 @@ class ActorConfig:
 
 @dataclass
 class RewardConfig:
-    workers: int = 1
-    timeout_s: float = 5.0
+    workers: int = 1  # reward worker processes
+    timeout_s: float = 5.0  # seconds one answer's check may take; past that it scores 0 and is counted
     # how far a reward worker's memory (address space) may grow beyond its imports; a check that needs more scores
     # 0, is counted (reward_out_of_memory) and its worker replaced. 0: no limit
     memory_limit_mb: int = 4096
@@ -526,8 +527,8 @@ class EvalConfig:
     how many samples per problem."""
 
     temperature: Optional[float] = None  # noqa: UP045 (omegaconf needs Optional, not `float | None`)
-    top_p: Optional[float] = None  # noqa: UP045
-    max_new_tokens: Optional[int] = None  # noqa: UP045
+    top_p: Optional[float] = None  # noqa: UP045 (null: sampling.top_p)
+    max_new_tokens: Optional[int] = None  # noqa: UP045 (null: sampling.max_new_tokens)
     # stop strings for evaluation; null: the training ones (`sampling.stop`)
     stop: Optional[list[str]] = None  # noqa: UP045
 
@@ -542,7 +543,7 @@ class ResourcesConfig:
     """What a recipe needs. The launcher checks it against the machine before anything starts (a 7B recipe on a
     laptop stops within seconds, saying what it needs); `pipelinerl plan` uses it as the default cluster."""
 
-    nodes: int = 1
+    nodes: int = 1  # machines the run spans (each runs `pipelinerl run` with WORLD_SIZE/RANK set, or via SLURM)
     gpus_per_node: int = 0  # 0: a CPU recipe, runs anywhere
     gpu_memory_gib: float = 0.0  # memory per GPU the recipe was planned for (`pipelinerl plan`); 0: not stated
 
@@ -638,8 +639,8 @@ class StreamsConfig:
 
 @dataclass
 class RunConfig:
-    run_dir: str = MISSING
-    seed: int = 0
+    run_dir: str = MISSING  # everything of the run goes here: config, logs, streams, checkpoints, metrics, plots
+    seed: int = 0  # the trainer's, the actor's and (unless model.seed) the tiny model's
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -1,4 +1,4 @@
-"""A whole run survives faults injected while it runs (tests/chaos.py): a short walk in `make test`, with every
+"""A whole run survives faults injected while it runs (tests/helpers/chaos.py): a short walk in `make test`, with every
 kind of fault once; `make chaos` runs several seeds for longer, faults drawn at random (PIPELINERL_CHAOS_SEEDS,
 PIPELINERL_CHAOS_STEPS, PIPELINERL_CHAOS_FAULTS)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from chaos import FAULTS, Chaos
+from helpers.chaos import FAULTS, Chaos
 
 pytestmark = pytest.mark.slow
 

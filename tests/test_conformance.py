@@ -12,8 +12,8 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from conformance_models import build_confident_model, build_fresh_tied_model, build_one_token_model
 from conftest import running_engine, wait_until
+from helpers.conformance_models import build_confident_model, build_fresh_tied_model, build_one_token_model
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response

@@ -13,6 +13,15 @@ from pipelinerl.contracts.routes import create_app, error_response
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def test_committed_config_reference_equals_generated():
+    from pipelinerl.config_reference import REFERENCE, render
+
+    assert REFERENCE.read_text() == render(), "docs/config_reference.md is stale: run `make config-reference`"
+    text = render()
+    for key in ("`trainer.critic.lr`", "`engine.kind`", "`actor.max_lag`", "`task.reward`"):  # nested sections too
+        assert key in text
+
+
 def test_committed_openapi_equals_generated():
     committed = (ROOT / "contracts" / "openapi.json").read_text()
     assert committed == render_openapi(), "contracts/openapi.json is stale: run `make openapi` and commit it"

@@ -1,5 +1,5 @@
-"""The stateful fuzzer (tests/stateful_fuzz.py) against the embedded engine, with an API key, this process as its
-trainer: a short walk in `make test`; `make fuzz` walks for long (PIPELINERL_FUZZ_STEPS, PIPELINERL_FUZZ_SEED)."""
+"""The stateful fuzzer (tests/helpers/stateful_fuzz.py) against the embedded engine, with an API key, this process as
+its trainer: a short walk in `make test`; `make fuzz` walks for long (PIPELINERL_FUZZ_STEPS, PIPELINERL_FUZZ_SEED)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 from conftest import running_engine
-from stateful_fuzz import fuzz
+from helpers.stateful_fuzz import fuzz
 
 from pipelinerl.engines.client import EngineClient
 

@@ -1,6 +1,6 @@
 """A GPU user's first run, rehearsed on this CPU machine: `make run-7b` on one 8-GPU node and `make run-32b` on a
 SLURM cluster of four, from the real Makefile, launcher and batch script, with stand-ins for what is not here
-(tests/gpu_standins.py: nvidia-smi, sbatch/srun/scontrol, a venv whose torch is PyPI's CUDA build and whose vLLM
+(tests/helpers/gpu_standins.py: nvidia-smi, sbatch/srun/scontrol, a venv whose torch is PyPI's CUDA build and whose vLLM
 is its GPU build). Installs that would download gigabytes run as `make -n`; everything else runs for real, with
 `pipelinerl run --dry-run` where processes would start on GPUs.
 
@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gpu_standins as standins
 import pytest
+from helpers import gpu_standins as standins
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None or shutil.which("git") is None,

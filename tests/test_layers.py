@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pipelinerl"
 LAYERS: list[list[str]] = [
     ["contracts", "plugins"],  # the inference and trainer contracts, the engine-kind type, the plug-in names
     ["rl", "samples", "models"],  # pure tensor math, the sample record, model building and fetching
-    ["config", "cli_args", "auth"],  # the run's settings; argument types; keys and binds
+    ["config", "config_reference", "cli_args", "auth"],  # the run's settings; argument types; keys and binds
     ["streams", "weight_sync", "metrics", "procs", "sizing"],  # the pipes between the processes
     ["rewards"],  # scoring answers, in worker processes
     ["tasks", "workflow"],  # problems, prompts and their verifiers; multi-turn rollouts

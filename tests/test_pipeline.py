@@ -109,8 +109,8 @@ def test_synchronous_mode_never_trains_on_stale_samples(tmp_path):
 
 
 def test_hanging_and_crashing_reward_checks_are_counted_and_the_run_goes_on(tmp_path):
-    r = launch(tmp_path / "run", "trainer.max_steps=3", "task.reward_fn=flaky_reward:score", "reward.timeout_s=1",
-               "reward.workers=2", timeout=400)
+    r = launch(tmp_path / "run", "trainer.max_steps=3", "task.reward_fn=helpers.flaky_reward:score",
+               "reward.timeout_s=1", "reward.workers=2", timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     actor = [json.loads(line) for line in (tmp_path / "run" / "actor_metrics.jsonl").read_text().splitlines()]
     assert actor[-1]["reward_timeouts"] >= 1 and actor[-1]["reward_crashes"] >= 1

@@ -1,7 +1,7 @@
 """SGLang behind the contract. SGLang has no CPU build on PyPI, so SGLang itself runs only in the conformance test
 (skipped without it and a GPU). Everywhere else the front is tested against a stand-in server that answers
 SGLang's API as a given release does and joins the weight-update group and receives updates exactly as SGLang
-does (tests/sglang_standin.py): the update's chunks, their order and bound, the pause around them, the version
+does (tests/helpers/sglang_standin.py): the update's chunks, their order and bound, the pause around them, the version
 switch, a failing chunk, and the releases the front refuses."""
 
 import asyncio
@@ -27,7 +27,7 @@ from pipelinerl.procs import free_port, start_process, stop_process, tail, wait_
 from pipelinerl.weight_sync import DTYPE_NAMES, broadcast_tensors, host_rendezvous, init_weight_update_group
 
 ROOT = Path(__file__).resolve().parents[1]
-STANDIN = str(Path(__file__).with_name("sglang_standin.py"))
+STANDIN = str(Path(__file__).parent / "helpers" / "sglang_standin.py")
 GROUP = "sglang_front"
 
 
@@ -79,7 +79,7 @@ def facts(named: list[tuple[str, torch.Tensor]]) -> ModelFacts:
 
 
 class StandIn:
-    """tests/sglang_standin.py serving SGLang's API as `version` does, in a process of its own."""
+    """tests/helpers/sglang_standin.py serving SGLang's API as `version` does, in a process of its own."""
 
     def __init__(self, tmp_path: Path, version: str, fail_call: int = 0):
         self.log = tmp_path / f"standin-{version}.log"

@@ -38,8 +38,9 @@ def test_sigterm_ends_a_run_whose_reward_workers_are_stuck(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "pipelinerl.cli", "run", "recipes/tiny_cpu.yaml", f"run_dir={run_dir}",
-         "model.warmup_steps=0", "trainer.eval_every=0", "task.reward_fn=slow_reward:score", "reward.timeout_s=900",
-         "reward.workers=2"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "model.warmup_steps=0", "trainer.eval_every=0", "task.reward_fn=helpers.slow_reward:score",
+         "reward.timeout_s=900", "reward.workers=2"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: (run_dir / "pids.json").exists(), "the run's processes started", timeout_s=240)
         pids = json.loads((run_dir / "pids.json").read_text())

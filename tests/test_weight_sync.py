@@ -28,8 +28,8 @@ from pipelinerl.weight_sync import (
     receive_tensors,
 )
 
-PEER = str(Path(__file__).with_name("weight_sync_peer.py"))
-STANDIN = str(Path(__file__).with_name("sglang_standin.py"))
+PEER = str(Path(__file__).parent / "helpers" / "weight_sync_peer.py")
+STANDIN = str(Path(__file__).parent / "helpers" / "sglang_standin.py")
 
 
 def start_peers(ranks, world, port, tmp_path, timeout=60.0):  # generous: peers import torch at once
@@ -98,7 +98,7 @@ def test_members_waiting_for_a_member_that_never_comes_all_fail_naming_the_group
 def test_a_process_joining_as_sglang_does_receives_the_trainers_broadcast(tmp_path):
     """The trainer's side (hosted by `host_rendezvous` on a kernel-picked port, joined as rank 0, one broadcast
     per tensor: SGLang's format) and a process that joins and receives exactly as SGLang 0.5.x does
-    (tests/sglang_standin.py), in update calls of a few tensors each. Twice, each time under the same group name
+    (tests/helpers/sglang_standin.py), in update calls of a few tensors each. Twice, each time under the same group name
     at a new rendezvous, each side leaving the group in between: an engine joins again after a trainer restart."""
     g = torch.Generator().manual_seed(11)
     tensors = [torch.randn(4, 6, generator=g), torch.randn(9, generator=g).bfloat16(),

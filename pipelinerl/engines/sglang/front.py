@@ -6,7 +6,7 @@ Targets SGLang's HTTP API from 0.5.6 (the `sglang>=0.5.6` extra) to 0.5.23, read
 `/update_weight_version`, `/pause_generation` with `mode: in_place` and `/continue_generation`, and
 `/server_info` (`/get_server_info` before 0.5.6) for the version and the tensor-parallel size. SGLang itself
 was not run here (it has no CPU build on PyPI): this front is tested against a stand-in server that plays
-SGLang's API and joins the weight-update group as SGLang does (tests/sglang_standin.py); see
+SGLang's API and joins the weight-update group as SGLang does (tests/helpers/sglang_standin.py); see
 contracts/conformance/README.md for what was run.
 
 Why not older releases: before 0.5.6 `/pause_generation` takes no mode and aborts every running request (they

@@ -34,7 +34,7 @@ esac
 """
 
 SLURM = r'''#!PYTHON
-"""sbatch / srun / scontrol stand-in (see tests/gpu_standins.py)."""
+"""sbatch / srun / scontrol stand-in (see tests/helpers/gpu_standins.py)."""
 import json, os, re, subprocess, sys
 from pathlib import Path
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ("kill_engine", "stop_engine", "kill_reward_worker", "kill_actor", "kill_trainer", "stop_actor",
           "corrupt_stream", "fill_disk")
 STOPS_THE_RUN = {"kill_actor": "actor exited with code -9", "kill_trainer": "trainer exited with code -9"}
