@@ -36,7 +36,7 @@ from pipelinerl.rewards.shaping import shape_reward
 from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
-from pipelinerl.tasks import reward_item, task_from_config
+from pipelinerl.tasks import is_multi_turn, reward_item, task_from_config
 from pipelinerl.workflow import RolloutEngine, run_episodes
 
 ENGINE_RETRY_S = 2.0  # how long an engine that could not be reached gets no requests before it is tried again
@@ -295,7 +295,7 @@ class Actor:
         return limit
 
     async def _generate_and_score(self, problem: dict) -> list[Sample]:
-        if hasattr(self.task, "rollout"):
+        if is_multi_turn(self.task):
             return await self._episodes_and_score(problem)
         cfg = self.cfg
         prompt_ids = self.tokenizer.encode(self.task.prompt(problem))

@@ -24,7 +24,7 @@ from pathlib import Path
 from pipelinerl.contracts.inference import GenerateRequest, GenerateResponse, SamplingParams
 from pipelinerl.engines.client import AsyncEngineClient
 from pipelinerl.rewards import RewardPool
-from pipelinerl.tasks import Task, reward_item
+from pipelinerl.tasks import Task, is_multi_turn, reward_item
 from pipelinerl.workflow import RolloutEngine, run_episodes
 
 
@@ -85,7 +85,7 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
                                   max_new_tokens=max_new_tokens, n=n, stop=stop,
                                   seed=None if seed is None else seed + 1000 * index)
         async with sem:
-            if hasattr(task, "rollout"):  # a multi-turn task: n episodes of its own loop (pipelinerl.workflow)
+            if is_multi_turn(task):  # a multi-turn task: n episodes of its own loop (pipelinerl.workflow)
                 engine = RolloutEngine(generate, tokenizer, sampling, max_model_len)
                 episodes = await run_episodes(task, problem, engine, n)
                 outputs = [(e.output_token_ids, e.finish_reason, e.versions, {"turns": e.turns,

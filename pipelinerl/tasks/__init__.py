@@ -20,12 +20,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pipelinerl.plugins import TASKS, UnknownPlugin
-from pipelinerl.tasks.base import Task, reward_item
+from pipelinerl.tasks.base import MultiTurnTask, Task, is_multi_turn, reward_item
 
 if TYPE_CHECKING:
     from pipelinerl.config import TaskConfig
 
-__all__ = ["TASKS", "Task", "check_task", "get_task", "register_task", "reward_item", "task_from_config"]
+__all__ = ["TASKS", "MultiTurnTask", "Task", "check_task", "get_task", "is_multi_turn", "register_task", "reward_item",
+           "task_from_config"]
 
 def register_task(name: str, factory: Callable[..., Task] | str) -> None:
     """Make `task.name: name` (and `get_task(name, ...)`) build tasks with `factory(**kwargs)`; `factory` may be

@@ -12,7 +12,10 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable, Hashable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pipelinerl.workflow import Episode, RolloutEngine
 
 
 @runtime_checkable
@@ -25,6 +28,20 @@ class Task(Protocol):
     def eval_problems(self) -> list[dict]: ...
 
     def prompt(self, problem: dict) -> str: ...
+
+
+@runtime_checkable
+class MultiTurnTask(Task, Protocol):
+    """A task that drives the engine itself, turn by turn (tools, environments: pipelinerl.workflow). The actor and
+    the held-out evaluation run `group_size` (or eval_k) episodes of its `rollout` per problem instead of one
+    generation of `prompt(problem)`; the episode's last text is scored with `reward_fn` as any task's."""
+
+    async def rollout(self, engine: RolloutEngine, problem: dict) -> Episode: ...
+
+
+def is_multi_turn(task: Task) -> bool:
+    """Whether the actor and evaluation run the task's own `rollout` instead of one generation per attempt."""
+    return isinstance(task, MultiTurnTask)
 
 
 def draw_distinct(count: int, rng: random.Random, make_key: Callable[[random.Random], Hashable],
