@@ -213,7 +213,7 @@ class TrainerConfig:
     # tokens per packed micro-batch of the trainer's forward and backward passes (at least engine.max_model_len)
     micro_batch_tokens: int = 4096
     # RL algorithm: names registered in pipelinerl/rl/losses.py and advantages.py (pipelinerl/rl/registry.py), or a
-    # function of your own as package.module:function. See the README's algorithm table for each one's keys.
+    # function of your own as package.module:function. docs/algorithms.md lists each one's keys.
     policy_loss: str = "reinforce_is"  # reinforce_is | ppo_clip | decoupled_ppo | gspo
     policy_loss_args: dict[str, Any] = field(default_factory=dict)  # for a policy loss of your own
     advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp_baseline | gae (PPO with trainer.critic)
