@@ -121,6 +121,7 @@ TASKS: Registry[Callable[..., Any]] = Registry("task", {
     "arithmetic": "pipelinerl.tasks.arithmetic:ArithmeticTask",
     "math": "pipelinerl.tasks.math_data:MathTask",
     "code": "pipelinerl.tasks.code:CodeTask",
+    "reasoning_gym": "pipelinerl.tasks.reasoning_gym:ReasoningGymTask",
 })
 
 # `task.reward` of the math task: a scoring function (item -> reward) the reward workers import by its path

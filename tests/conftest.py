@@ -113,7 +113,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 # `make test` hands test files to its two pytest-xdist workers in collection order (`--no-loadscope-reorder`).
 # xdist's own order, the files with the most tests first, starts these one-test files last: in a fresh clone's run
-# (TEST_TIMELINE, docs/benchmarks_history.md) the ORZ rehearsal (253 s) then ran while the other worker sat idle for 234 s.
+# (TEST_TIMELINE, docs/benchmarks_history.md) the ORZ rehearsal (253 s) then ran while the other worker sat idle
+# for 234 s.
 # Only this file goes first: started together, it and the tiny recipe slowed each other (an earlier trial).
 RUN_FIRST = ("test_orz_rehearsal.py",)
 
