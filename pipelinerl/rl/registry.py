@@ -17,15 +17,17 @@ name a function that is not part of this package (decorated or not)::
 and ``trainer.policy_loss: my_package.my_module:my_loss`` in the recipe. If your loss and its gradient are 0 on
 every token whose advantage is 0, register it with ``zero_without_advantage=True``: the trainer then leaves such
 samples out of its passes (``trainer.skip_zero_advantage``), as it does for the built-in losses.
-Hyper-parameters of your own go in ``trainer.policy_loss_args`` (a mapping, passed as ``cfg.policy_loss_args``).
+Hyper-parameters of your own go in ``trainer.policy_loss_args`` (a mapping, passed as ``cfg.policy_loss_args`` to a
+loss that declares it reads it, or declares nothing).
 
 The calls:
 
-* a policy loss is ``fn(logprobs [T], inputs: LossInputs, cfg: TrainerConfig) -> (per_token_loss [T], stats)``,
-  ``logprobs`` carrying the gradient; the loss is 0 off ``inputs.mask`` and the trainer reduces it with
-  ``losses.aggregate`` as ``trainer.aggregation`` says (the loss's own default when unset);
-* an advantage estimator is ``fn(inputs: AdvantageInputs, cfg: TrainerConfig) -> advantages [N]``, one per
-  sample, which the trainer puts on every output token of the sample. A ``token_level`` estimator (GAE) is
+* a policy loss is ``fn(logprobs [T], inputs: LossInputs, cfg) -> (per_token_loss [T], stats)``, ``cfg``
+  holding the trainer settings the loss declared in ``reads`` and no others (``settings_for``; all of
+  TrainerConfig if it declares none), ``logprobs`` carrying the gradient; the loss is 0 off ``inputs.mask`` and
+  the trainer reduces it with ``losses.aggregate`` as ``trainer.aggregation`` says (the loss's own default);
+* an advantage estimator is ``fn(inputs: AdvantageInputs, cfg) -> advantages [N]`` (``cfg`` as for a loss), one
+  per sample, which the trainer puts on every output token of the sample. A ``token_level`` estimator (GAE) is
   computed by the trainer from per-token rewards and the critic's values instead; its ``fn`` is not called.
 """
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from pipelinerl.plugins import ADVANTAGES, POLICY_LOSSES
@@ -103,6 +106,15 @@ class AdvantageSpec:
     # by the trainer, after it: `fn` returns the centred advantages. With trainer.kl_reward: to_go the per-token KL
     # enters between the two, as in OpenRLHF's REINFORCE++.
     whitened: bool = False
+
+
+def settings_for(spec: PolicyLossSpec | AdvantageSpec, cfg: Any) -> Any:
+    """The trainer settings an algorithm is called with: the ones it declared it reads (`reads`), and no others, so
+    that a loss reading a setting it did not declare fails at its first call instead of being silently exempt
+    from the config's checks. An algorithm that declares nothing gets the whole TrainerConfig."""
+    if spec.reads is None:
+        return cfg
+    return SimpleNamespace(**{key: getattr(cfg, key) for key in spec.reads})
 
 
 def reads_key(spec: PolicyLossSpec | AdvantageSpec, key: str) -> bool:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from pipelinerl.rl.advantages import whiten
 from pipelinerl.rl.packing import PackedBatch, build_packed_batch, pack_sequences
-from pipelinerl.rl.registry import AdvantageInputs, advantage
+from pipelinerl.rl.registry import AdvantageInputs, advantage, settings_for
 from pipelinerl.samples import Sample
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def sample_advantages(step: StepBatch, cfg: TrainerConfig, rewards: Tensor | Non
         raise ValueError(f"trainer.advantage {cfg.advantage!r} is computed per token (with the critic), not per sample")
     inputs = AdvantageInputs(rewards=step.rewards if rewards is None else rewards, group_ids=step.group_ids,
                              lengths=step.trained_tokens)
-    adv = spec.fn(inputs, cfg)
+    adv = spec.fn(inputs, settings_for(spec, cfg))
     if adv.shape != (step.num_samples,):
         raise ValueError(f"advantage estimator {cfg.advantage!r} returned shape {tuple(adv.shape)}, expected "
                          f"({step.num_samples},): one advantage per sample")

@@ -138,6 +138,7 @@ class Trainer:
         self.cfg = (cfg or TrainerConfig()).with_algorithm_defaults()
         self.loss_spec = registry.policy_loss(self.cfg.policy_loss)
         self.adv_spec = registry.advantage(self.cfg.advantage)
+        self.loss_settings = registry.settings_for(self.loss_spec, self.cfg)  # what the loss declared it reads
         self.sync_cfg = weight_sync or WeightSyncConfig()
         self.model_path = str(model_path)
         self.weights_dtype = DTYPES[dtype]
@@ -619,7 +620,7 @@ class Trainer:
         inputs = LossInputs(mask=f["loss_mask"], advantages=f["advantages"], behav_logprobs=f["behav_logprobs"],
                             old_logprobs=prox if self.loss_spec.needs_proximal else f["behav_logprobs"],
                             prox_logprobs=prox, seq_ids=p.seq_ids)
-        return self.loss_spec.fn(logprobs, inputs, self.cfg)
+        return self.loss_spec.fn(logprobs, inputs, self.loss_settings)
 
     def _no_grad_sync_unless(self, last: bool) -> contextlib.AbstractContextManager:
         return update.no_grad_sync_unless(self.accelerator, self.model, last)
