@@ -312,7 +312,7 @@ class Actor:
         # unique across the run: a restarted actor counts from 0 again, under a new launch id
         group_id = f"{problem.get('id', 'p')}-{self.launch_id}-{self.counts['groups_started']}"
         return [self._sample(group_id, prompt_ids, c.token_ids, c.logprobs, c.versions, c.finish_reason, r,
-                             {"generate_s": t_gen, "reward_s": t_reward})
+                             {"generate_s": t_gen, "reward_s": t_reward}, domain=problem.get("domain", ""))
                 for c, r in zip(resp.completions, results)]
 
     async def _episodes_and_score(self, problem: dict) -> list[Sample]:
@@ -333,7 +333,8 @@ class Actor:
         return [self._sample(group_id, e.prompt_token_ids, e.output_token_ids, e.logprobs, e.versions,
                              e.finish_reason, r, {"generate_s": t_gen, "reward_s": t_reward, "turns": e.turns,
                                                   "tool_calls": e.tool_calls}, e.output_mask,
-                             max_len=cfg.engine.max_model_len - len(e.prompt_token_ids))
+                             max_len=cfg.engine.max_model_len - len(e.prompt_token_ids),
+                             domain=problem.get("domain", ""))
                 for e, r in zip(episodes, results)]
 
     async def _generate_on_a_live_engine(self, req: GenerateRequest) -> GenerateResponse:
@@ -361,7 +362,7 @@ class Actor:
 
     def _sample(self, group_id: str, prompt_ids: list[int], token_ids: list[int], logprobs: list[float],
                 versions: list[int], finish_reason: str, result: RewardResult, timings: dict[str, float],
-                output_mask: list[int] | None = None, max_len: int | None = None) -> Sample:
+                output_mask: list[int] | None = None, max_len: int | None = None, domain: str = "") -> Sample:
         correct = bool(result.parts.get("correct", result.reward > 0))
         # length shaping counts the model's tokens, against what it may write: one completion's max_new_tokens,
         # or, for a multi-turn episode (`max_len`), the context left after the prompt
@@ -373,7 +374,7 @@ class Actor:
                       behav_logprobs=logprobs, versions=versions, output_mask=output_mask or [],
                       finish_reason=finish_reason, reward=reward,
                       reward_parts={**result.parts, **shaping, "correct": float(correct)},
-                      reward_info=result.info, task=self.task.name, timings=timings)
+                      reward_info=result.info, task=self.task.name, domain=str(domain), timings=timings)
 
     def _report(self) -> None:
         row = {"time": time.monotonic() - self.started, "trainer_version": self.trainer_version,

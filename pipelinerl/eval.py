@@ -40,6 +40,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
+def benchmark_of(problem: dict, task: Task) -> str:
+    """The benchmark a held-out problem counts in: its source (an eval file, a hub dataset), else its domain, else
+    the task."""
+    return str(problem.get("source") or problem.get("domain") or task.name)
+
+
 def benchmark_names(sources: list[str]) -> dict[str, str]:
     """Source -> benchmark name, usable inside a metric key: the eval file's stem as the loaders give it
     ("aime2024"), a hub dataset's name without its organisation ("HuggingFaceH4/MATH-500" -> "MATH-500"), or the
@@ -64,8 +70,9 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
     sem = asyncio.Semaphore(concurrency)
     n = 1 if greedy else k
     stop = list(stop or [])
-    # A task without sources (arithmetic) is one benchmark named after the task.
-    sources = list(dict.fromkeys(str(p.get("source") or task.name) for p in problems))
+    # A task without sources (arithmetic) is one benchmark named after the task; one with domains (a mix, Reasoning
+    # Gym's generators), one benchmark per domain.
+    sources = list(dict.fromkeys(benchmark_of(p, task) for p in problems))
     names = benchmark_names(sources)
 
     async def generate(req: GenerateRequest) -> GenerateResponse:
@@ -100,7 +107,7 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
                                                           for t, (_, finish, _, extra) in zip(texts, outputs)])
         correct = [float(r.parts.get("correct", r.reward > 0)) for r in results]
         versions = [v for v in outputs[0][2] if v >= 0]
-        return {"id": problem.get("id"), "benchmark": names[str(problem.get("source") or task.name)],
+        return {"id": problem.get("id"), "benchmark": names[benchmark_of(problem, task)],
                 "correct": correct, "tokens": [len(ids) for ids, _, _, _ in outputs],
                 "truncated": [finish == "length" for _, finish, _, _ in outputs], "sample": texts[0][:200],
                 "version": versions[0] if versions else None}

@@ -122,6 +122,7 @@ TASKS: Registry[Callable[..., Any]] = Registry("task", {
     "math": "pipelinerl.tasks.math_data:MathTask",
     "code": "pipelinerl.tasks.code:CodeTask",
     "reasoning_gym": "pipelinerl.tasks.reasoning_gym:ReasoningGymTask",
+    "mix": "pipelinerl.tasks.mix:MixTask",
 })
 
 # `task.reward` of the math task: a scoring function (item -> reward) the reward workers import by its path

@@ -26,6 +26,9 @@ class Sample(BaseModel):
     reward_parts: dict[str, float] = Field(default_factory=dict)
     reward_info: str = ""
     task: str = ""
+    # the domain of a task that has several (`problem["domain"]`: a mix's sub-task, a Reasoning Gym generator); the
+    # trainer's metrics and the held-out evaluation report each domain apart. Empty: the task is one domain
+    domain: str = ""
     timings: dict[str, float] = Field(default_factory=dict)  # seconds per stage; multi-turn: turns, tool_calls too
 
     @model_validator(mode="after")

@@ -290,6 +290,15 @@ def batch_metrics(batch: list[Sample]) -> dict[str, float]:
         "truncated_frac": sum(s.finish_reason == "length" for s in batch) / n,
         "mixed_version_frac": sum(len(set(s.model_versions)) > 1 for s in batch) / n,
     }
+    domains = sorted({s.domain for s in batch if s.domain})
+    for domain in domains:  # each domain's numbers apart, never blended into another's
+        mine = [s for s in batch if s.domain == domain]
+        key = "".join(c if c.isalnum() else "_" for c in domain)
+        row[f"domain_{key}_samples"] = float(len(mine))
+        row[f"domain_{key}_reward_mean"] = sum(s.reward for s in mine) / len(mine)
+        row[f"domain_{key}_accuracy"] = sum(s.reward_parts.get("correct", 0.0) for s in mine) / len(mine)
+        row[f"domain_{key}_output_tokens_mean"] = sum(len(s.output_token_ids) for s in mine) / len(mine)
+        row[f"domain_{key}_truncated_frac"] = sum(s.finish_reason == "length" for s in mine) / len(mine)
     if any(s.output_mask for s in batch):  # multi-turn samples: how much the model used its tools
         row["tool_calls_mean"] = sum(s.timings.get("tool_calls", 0.0) for s in batch) / n
         row["tool_tokens_frac"] = sum(len(s.output_mask) - sum(s.output_mask) for s in batch) / max(

@@ -44,6 +44,17 @@ def is_multi_turn(task: Task) -> bool:
     return isinstance(task, MultiTurnTask)
 
 
+def split_by_weight(weights: dict[str, float], total: int) -> dict[str, int]:
+    """`total` split in proportion to `weights`, largest remainders first, so the counts add up to `total`; every
+    name gets at least one while `total` is not 0."""
+    norm = sum(weights.values())
+    raw = {name: total * w / norm for name, w in weights.items()}
+    counts = {name: int(r) for name, r in raw.items()}
+    for name in sorted(raw, key=lambda n: raw[n] - counts[n], reverse=True)[:total - sum(counts.values())]:
+        counts[name] += 1
+    return {name: max(1, c) if total else 0 for name, c in counts.items()}
+
+
 def draw_distinct(count: int, rng: random.Random, make_key: Callable[[random.Random], Hashable],
                   exclude: frozenset = frozenset(), hint: str = "") -> list:
     """`count` distinct keys drawn by `make_key(rng)` and not in `exclude`, in the order first drawn. Tasks draw

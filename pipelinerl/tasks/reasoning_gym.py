@@ -12,7 +12,8 @@ the generators ProRL trains its logic puzzles on: one task over any mix of them,
 
 Each generator's share of the training and held-out problems follows its weight. The held-out problems are drawn
 first, from a seed of their own, and training problems that repeat a held-out question are left out, as the
-built-in tasks do. Every problem carries its generator's name (`domain`). The answer is what follows the prompt's
+built-in tasks do. Every problem carries its generator's name (`generator`, and `domain` unless a mix names the
+domain). The answer is what follows the prompt's
 "Answer:" up to the end of the line (`answer_format: line`, for small models), or the last <answer>...</answer>
 block (`answer_format: tag`, Reasoning Gym's and ProRL's format). A score below 1 (partial credit: some generators
 give it) is the reward; `correct` is 1 only for a full score.
@@ -28,6 +29,7 @@ import random
 from functools import cache
 
 from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.tasks.base import split_by_weight
 
 ANSWER_FORMATS = ("line", "tag")
 PROMPTS = {
@@ -67,19 +69,9 @@ def score_reasoning_gym(item: dict) -> RewardResult:
     answer = extract(item["completion"], problem["answer_format"])
     if answer is None:
         return RewardResult(0.0, {"correct": 0.0}, "no answer found")
-    scorer = _dataset(problem["domain"], problem["config"], 1, 0)
+    scorer = _dataset(problem["generator"], problem["config"], 1, 0)
     score = float(scorer.score_answer(answer, problem["entry"]))
-    return RewardResult(score, {"correct": float(score >= 1.0)}, f"{problem['domain']}: {score:g}")
-
-
-def _shares(weights: dict[str, float], total: int) -> dict[str, int]:
-    """`total` split by weight, largest remainders first, every generator with a positive weight at least one."""
-    norm = sum(weights.values())
-    raw = {name: total * w / norm for name, w in weights.items()}
-    counts = {name: int(r) for name, r in raw.items()}
-    for name in sorted(raw, key=lambda n: raw[n] - counts[n], reverse=True)[:total - sum(counts.values())]:
-        counts[name] += 1
-    return {name: max(1, c) if total else 0 for name, c in counts.items()}
+    return RewardResult(score, {"correct": float(score >= 1.0)}, f"{problem['generator']}: {score:g}")
 
 
 class ReasoningGymTask:
@@ -133,7 +125,8 @@ class ReasoningGymTask:
             if entry["question"] in skip:
                 continue
             out.append({"id": f"{name}-{split}-{index}", "problem": entry["question"], "answer": str(entry["answer"]),
-                        "domain": name, "config": self.configs[name], "answer_format": self.answer_format,
+                        "generator": name, "domain": name, "config": self.configs[name],
+                        "answer_format": self.answer_format,
                         "entry": json.loads(json.dumps(entry, default=str))})
             if len(out) == count:
                 break
@@ -145,7 +138,8 @@ class ReasoningGymTask:
         rng = random.Random(self.seed)
         eval_seed, train_seed = rng.randrange(2**31), rng.randrange(2**31)
         evals, trains = [], []
-        eval_counts, train_counts = _shares(self.weights, self.num_eval), _shares(self.weights, self.num_train)
+        eval_counts = split_by_weight(self.weights, self.num_eval)
+        train_counts = split_by_weight(self.weights, self.num_train)
         for i, name in enumerate(sorted(self.weights)):
             held_out = self._problems(name, eval_counts[name], eval_seed + i, "eval", set())
             evals += held_out

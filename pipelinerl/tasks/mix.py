@@ -1,0 +1,101 @@
+"""Several domains in one run: `task.name: mix`, each domain a task of its own (a built-in or a dotted path) with
+a sampling weight and its own arguments.
+
+    task:
+      name: mix
+      args:
+        domains:
+          arithmetic: {task: arithmetic, weight: 2, args: {digits: 2, ops: "+", reverse: true}}
+          legs: {task: reasoning_gym, weight: 1, args: {datasets: [leg_counting]}}
+        num_train: 6000   # training problems in all, split by weight (default: the domains' own, summed)
+
+Every problem carries its domain (`problem["domain"]`), so the trainer's metrics (`domain_<name>_*`) and the
+held-out evaluation (one benchmark per domain, plus their mean) report each apart. Each domain keeps its own
+prompt and its own verifier: the mix's reward function routes a problem to its domain's scoring function inside
+the reward workers, with its domain's name on every result. Multi-turn tasks cannot be mixed yet, nor can
+sampling settings differ per domain; both are refused or left to the run's `sampling:` section.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from pipelinerl.plugins import TASKS, import_ref
+from pipelinerl.rewards.pool import RewardResult, function_ref, to_result
+from pipelinerl.tasks.base import is_multi_turn, split_by_weight
+
+REWARD_KEY = "mix_reward_fn"  # the problem key naming its domain's scoring function ("module:function")
+
+
+def score_mix(item: dict) -> RewardResult:
+    """The reward workers' entry point: the problem's own domain's scoring function."""
+    problem = item["problem"]
+    result = to_result(import_ref(problem[REWARD_KEY], "mix domain's reward function")(item))
+    return RewardResult(result.reward, result.parts, f"{problem['domain']}: {result.info}".rstrip(": "))
+
+
+class MixTask:
+    """Domains sampled by weight; problems tagged with their domain; prompts and verifiers kept per domain."""
+
+    name = "mix"
+    reward_fn = staticmethod(score_mix)
+
+    def __init__(self, domains: dict[str, dict[str, Any]], num_train: int | None = None, seed: int = 0):
+        if not domains:
+            raise ValueError("domains must name at least one domain: {name: {task: ..., weight: ..., args: {...}}}")
+        self.tasks, self.weights = {}, {}
+        for name, spec in domains.items():
+            unknown = set(spec) - {"task", "weight", "args"}
+            if unknown or "task" not in spec:
+                raise ValueError(f"domains.{name}: takes task (required), weight and args, got {sorted(spec)}")
+            weight = spec.get("weight", 1.0)
+            if not isinstance(weight, (int, float)) or weight <= 0:
+                raise ValueError(f"domains.{name}.weight must be a number > 0, got {weight!r}")
+            if spec["task"] == "mix":
+                raise ValueError(f"domains.{name}: a mix cannot hold another mix")
+            try:
+                task = TASKS.get(spec["task"])(**dict(spec.get("args") or {}))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"domains.{name} ({spec['task']}): {e}") from None
+            if is_multi_turn(task):
+                raise ValueError(f"domains.{name}: {spec['task']} is multi-turn, which a mix cannot hold yet")
+            function_ref(task.reward_fn)  # a lambda or method cannot reach the workers: say so now
+            self.tasks[name], self.weights[name] = task, float(weight)
+        self.num_train, self.seed = num_train, seed
+        self._train: list[dict] | None = None
+        self._eval: list[dict] | None = None
+
+    def _tagged(self, name: str, problem: dict, split: str, index: int) -> dict:
+        return {**problem, "id": f"{name}-{split}-{problem.get('id', index)}", "domain": name,
+                REWARD_KEY: function_ref(self.tasks[name].reward_fn)}
+
+    def train_problems(self) -> list[dict]:
+        """Each domain's share of the training problems by weight, its own problems repeated where it has fewer
+        (a repeat keeps its id), interleaved in a seeded order."""
+        if self._train is None:
+            own = {name: task.train_problems() for name, task in self.tasks.items()}
+            total = self.num_train or sum(len(p) for p in own.values())
+            out = []
+            for name, share in split_by_weight(self.weights, total).items():
+                problems = own[name]
+                if not problems:
+                    raise ValueError(f"domains.{name}: its task has no training problems")
+                out += [self._tagged(name, problems[i % len(problems)], "train", i % len(problems))
+                        for i in range(share)]
+            random.Random(self.seed).shuffle(out)
+            self._train = out
+        return self._train
+
+    def eval_problems(self) -> list[dict]:
+        """Every domain's held-out problems, whatever the weights: each domain is its own benchmark."""
+        if self._eval is None:
+            self._eval = [self._tagged(name, p, "eval", i) for name, task in self.tasks.items()
+                          for i, p in enumerate(task.eval_problems())]
+        return self._eval
+
+    def prompt(self, problem: dict) -> str:
+        return self.tasks[problem["domain"]].prompt(problem)
+
+    def domains(self) -> dict[str, float]:
+        return dict(self.weights)

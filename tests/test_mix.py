@@ -1,0 +1,72 @@
+"""Several domains in one run (`task.name: mix`, pipelinerl/tasks/mix.py): shares by weight, every problem tagged
+with its domain, each domain's prompt and verifier kept (routed in the reward workers), each domain's numbers
+reported apart in the trainer's metrics and as its own held-out benchmark."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from pipelinerl.config import ConfigError, load_config
+from pipelinerl.eval import benchmark_of
+from pipelinerl.rewards import RewardPool
+from pipelinerl.samples import Sample
+from pipelinerl.tasks import reward_item, task_from_config
+from pipelinerl.tasks.mix import MixTask
+from pipelinerl.train import batch_metrics
+
+pytest.importorskip("reasoning_gym", reason="the reasoning extra: pip install -e '.[reasoning]'")
+
+DOMAINS = {"add": {"task": "arithmetic", "weight": 3, "args": {"digits": 2, "ops": "+", "num_train": 50,
+                                                               "num_eval": 10}},
+           "legs": {"task": "reasoning_gym", "weight": 1, "args": {"datasets": ["leg_counting"], "num_train": 20,
+                                                                   "num_eval": 5}}}
+
+
+def test_domains_share_the_training_problems_by_weight_and_keep_their_prompts_and_verifiers():
+    mix = MixTask(DOMAINS, num_train=400, seed=1)
+    train, held_out = mix.train_problems(), mix.eval_problems()
+    assert Counter(p["domain"] for p in train) == {"add": 300, "legs": 100}
+    assert Counter(p["domain"] for p in held_out) == {"add": 10, "legs": 5}  # every held-out problem, unweighted
+    assert len({p["id"] for p in train}) == 70  # the domains' own 50 and 20, repeated to their shares
+    add = next(p for p in held_out if p["domain"] == "add")
+    legs = next(p for p in held_out if p["domain"] == "legs")
+    assert mix.prompt(add) == mix.tasks["add"].prompt(add) and mix.prompt(legs).endswith("\nAnswer:")
+    assert {benchmark_of(p, mix) for p in held_out} == {"add", "legs"}  # one held-out benchmark per domain
+    items = [reward_item(add, add["answer"], "stop"), reward_item(add, "x", "stop"),
+             reward_item(legs, f" {legs['answer']}", "stop"), reward_item(legs, " 0", "stop")]
+    with RewardPool(1, 10.0) as pool:
+        results = pool.score(mix.reward_fn, items)
+    assert [r.parts["correct"] for r in results] == [1.0, 0.0, 1.0, 0.0]
+    assert results[2].info.startswith("legs: leg_counting")  # routed to Reasoning Gym's own scorer
+
+
+def test_each_domains_numbers_are_logged_apart():
+    def sample(domain: str, reward: float, n: int) -> Sample:
+        return Sample(group_id=domain, prompt_token_ids=[1], output_token_ids=[2] * n, behav_logprobs=[0.0] * n,
+                      versions=[0] * n, finish_reason="stop", reward=reward, reward_parts={"correct": reward},
+                      domain=domain)
+
+    row = batch_metrics([sample("add", 1.0, 2), sample("add", 0.0, 2), sample("leg counting", 1.0, 6)])
+    assert row["domain_add_reward_mean"] == 0.5 and row["domain_add_output_tokens_mean"] == 2
+    assert row["domain_leg_counting_accuracy"] == 1.0 and row["domain_leg_counting_samples"] == 1
+    assert row["reward_mean"] == pytest.approx(2 / 3)
+    assert not any(k.startswith("domain_") for k in batch_metrics([sample("", 1.0, 1)]))  # one-domain tasks
+
+
+def test_a_mix_from_a_recipe_and_its_mistakes_named(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run_dir: a\nmodel: {path: m}\ntask:\n  name: mix\n  args:\n    domains:\n"
+                      "      add: {task: arithmetic, args: {digits: 1, num_train: 20, num_eval: 4}}\n"
+                      "      legs: {task: reasoning_gym, args: {datasets: [leg_counting], num_train: 5}}\n")
+    task = task_from_config(load_config(recipe).task)
+    assert sorted(task.domains()) == ["add", "legs"] and len(task.train_problems()) == 25
+    with pytest.raises(ConfigError, match="task.args: mix refused its arguments: domains.legs \\(reasoning_gym\\)"):
+        task_from_config(load_config(recipe, ["task.args.domains.legs.args.datasets=[nope]"]).task)
+    with pytest.raises(ConfigError, match="domains.add.weight must be a number > 0"):
+        task_from_config(load_config(recipe, ["task.args.domains.add.weight=0"]).task)
+    with pytest.raises(ConfigError, match="domains.add: takes task \\(required\\), weight and args"):
+        task_from_config(load_config(recipe, ["task.args.domains.add.colour=red"]).task)
+    with pytest.raises(ConfigError, match="domains.x: a mix cannot hold another mix"):
+        task_from_config(load_config(recipe, ["task.args.domains.x={task: mix}"]).task)
