@@ -109,7 +109,7 @@ def test_packed_multiturn_equals_one_sample_per_row(model_dir):
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     pa, pb = params(packed), params(alone)
     # equal up to float rounding: Adam's first step moves each weight by lr (1e-2) times g / (|g| + eps), which for
-    # gradients near eps turns their rounding into differences of 1e-5 (measured 1.7e-5 on a 2-core EPYC);
+    # gradients near eps turns their rounding into differences of 1e-5 (measured 1.7e-5 on a 2-core Xeon);
     # a token packed into the wrong sample would move weights by ~lr
     assert max((pa[n] - pb[n]).abs().max().item() for n in pa) < 1e-4
 
