@@ -170,6 +170,10 @@ class VLLMBackend:
         self._group_name: str | None = None
         self._group_backend = "gloo"
         self._mixed_weights = False  # a streamed update failed midway (see _streamed_update)
+        # set except while a streamed update runs: a generation that arrives then waits for it to end, and then
+        # either runs on the new weights or is refused (409) if the update failed, never on half of each
+        self._not_streaming = asyncio.Event()
+        self._not_streaming.set()
         self._update_lock = asyncio.Lock()
         self._in_flight: set[str] = set()
         self._http: httpx.AsyncClient | None = None
@@ -199,6 +203,7 @@ class VLLMBackend:
     # --- generation ----------------------------------------------------------------------------------------
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        await self._not_streaming.wait()
         if self._mixed_weights:
             raise ContractError(409, "this engine's weights are partly of two versions (an update failed midway); "
                                      "it generates again after the next complete update", type="conflict")
@@ -393,6 +398,7 @@ class VLLMBackend:
                 self._notices.forget(token)
             self.metrics.refused_updates += 1
             raise ContractError(400, problem[1], problem[0], "mismatched_update")
+        self._not_streaming.clear()
         await self._post("/pause", None, params={"mode": "keep", "clear_cache": "false"})
         try:
             try:
@@ -408,7 +414,10 @@ class VLLMBackend:
             self.version = req.version
             self._mixed_weights = False
         finally:
-            await self._post("/resume", None)
+            try:
+                await self._post("/resume", None)
+            finally:
+                self._not_streaming.set()
         nbytes = sum(param_nbytes(p.dtype, p.shape) for p in req.params)
         switch_s = max(float(r.get("switch_s", 0.0)) for r in results)
         self.metrics.update_done(nbytes, time.perf_counter() - t0, switch_s)
