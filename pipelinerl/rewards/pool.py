@@ -39,6 +39,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from pipelinerl.plugins import import_ref
+
 logger = logging.getLogger(__name__)
 
 COUNTERS = ("scored", "timeouts", "crashes", "errors", "out_of_memory", "workers_replaced")
@@ -75,8 +77,8 @@ def function_ref(fn: ScoreFn) -> str:
 
 
 def resolve(ref: str) -> Callable[[dict], Any]:
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module), name)
+    """The scoring function at "module:name" (the project's one dotted-path loader, pipelinerl.plugins)."""
+    return import_ref(ref, "scoring function")
 
 
 def to_result(out: Any) -> RewardResult:

@@ -44,7 +44,7 @@ class MixTask:
     def __init__(self, domains: dict[str, dict[str, Any]], num_train: int | None = None, seed: int = 0):
         if not domains:
             raise ValueError("domains must name at least one domain: {name: {task: ..., weight: ..., args: {...}}}")
-        self.tasks, self.weights = {}, {}
+        self.tasks, self.weights, self.reward_refs = {}, {}, {}
         for name, spec in domains.items():
             unknown = set(spec) - {"task", "weight", "args"}
             if unknown or "task" not in spec:
@@ -60,7 +60,8 @@ class MixTask:
                 raise ValueError(f"domains.{name} ({spec['task']}): {e}") from None
             if is_multi_turn(task):
                 raise ValueError(f"domains.{name}: {spec['task']} is multi-turn, which a mix cannot hold yet")
-            function_ref(task.reward_fn)  # a lambda or method cannot reach the workers: say so now
+            # "module:function", what the workers import; a lambda or method cannot reach them: said now
+            self.reward_refs[name] = function_ref(task.reward_fn)
             self.tasks[name], self.weights[name] = task, float(weight)
         self.num_train, self.seed = num_train, seed
         self._train: list[dict] | None = None
@@ -68,7 +69,7 @@ class MixTask:
 
     def _tagged(self, name: str, problem: dict, split: str, index: int) -> dict:
         return {**problem, "id": f"{name}-{split}-{problem.get('id', index)}", "domain": name,
-                REWARD_KEY: function_ref(self.tasks[name].reward_fn)}
+                REWARD_KEY: self.reward_refs[name]}
 
     def train_problems(self) -> list[dict]:
         """Each domain's share of the training problems by weight, its own problems repeated where it has fewer
