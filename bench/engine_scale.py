@@ -219,7 +219,7 @@ def decode_profile(model: torch.nn.Module, batches: Sequence[int], steps: int = 
     time spent in the linear layers' matmul kernels (torch.profiler, self CPU time of LINEAR_OPS) and the
     operators per step. A runner of its own on `model` (the engine's is stopped by then), `steps` profiled steps
     after 3 unprofiled ones, every sequence at `position`."""
-    from pipelinerl.engines.embedded.model_runner import SlotRunner
+    from pipelinerl.engines.embedded.slot_runner import SlotRunner
 
     runner = SlotRunner(model, max(batches), MAX_MODEL_LEN)
     out = {}

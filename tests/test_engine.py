@@ -633,7 +633,7 @@ def test_a_dead_weight_receiver_is_replaced_and_counted(tiny_model_dir, tmp_path
 def test_too_little_shared_memory_is_named_before_it_is_used(tmp_path):
     """Receiving in a process needs the weights in shared memory; where its directory has too little room, the
     engine says so (how much it needs, how much there is, what to do) instead of dying of SIGBUS mid-update."""
-    from pipelinerl.engines.embedded.receiver import shared_memory_shortfall
+    from pipelinerl.engines.embedded.receiving_process import shared_memory_shortfall
 
     assert shared_memory_shortfall(1 << 20, directory=str(tmp_path)) is None
     message = shared_memory_shortfall(1 << 60, directory=str(tmp_path))

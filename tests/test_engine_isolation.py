@@ -15,7 +15,7 @@ import torch
 from conftest import running_engine
 from transformers import AutoModelForCausalLM
 
-import pipelinerl.engines.embedded.engine as engine_module
+import pipelinerl.engines.embedded.scheduler as scheduler_module
 from pipelinerl.contracts.inference import GenerateRequest, SamplingParams
 from pipelinerl.contracts.routes import ContractError
 from pipelinerl.engines.embedded.engine import EmbeddedEngine, EngineSettings
@@ -83,7 +83,7 @@ BAD_TEMPERATURE = 0.777  # the request whose rows the patched sampler cannot tak
 
 def breaking_sampler(monkeypatch, when):
     """sample_batch that raises, beneath validation, for a batch with a BAD_TEMPERATURE row when `when(calls)`."""
-    real = engine_module.sample_batch
+    real = scheduler_module.sample_batch
     calls = {"n": 0}
 
     def patched(logits, batch):
@@ -93,7 +93,7 @@ def breaking_sampler(monkeypatch, when):
                 raise RuntimeError("this row breaks the sampler")
         return real(logits, batch)
 
-    monkeypatch.setattr(engine_module, "sample_batch", patched)
+    monkeypatch.setattr(scheduler_module, "sample_batch", patched)
 
 
 @pytest.mark.parametrize("phase", ["admission", "decode"])

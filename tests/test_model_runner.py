@@ -10,17 +10,13 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from pipelinerl.engines.embedded import transpose
-from pipelinerl.engines.embedded.model_runner import (
-    TIMED_MAX_ROWS,
-    LinearKernels,
-    SlotRunner,
-    _onednn_usable,
-)
+from pipelinerl.engines.embedded.linear_kernels import TIMED_MAX_ROWS, LinearKernels, onednn_usable
 from pipelinerl.engines.embedded.packed import PackedLayout, linear_packed, packed_copier
+from pipelinerl.engines.embedded.slot_runner import SlotRunner
 from pipelinerl.engines.embedded.transpose import transposed_copy
 
 CPU = torch.device("cpu")
-HAS_ONEDNN = _onednn_usable(CPU, torch.float32)
+HAS_ONEDNN = onednn_usable(CPU, torch.float32)
 needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="no oneDNN in this torch build")
 # packed copies (packed.py) where this CPU's oneDNN reads float32 weights as the panels the engine writes
 HAS_PACKED = HAS_ONEDNN and PackedLayout.of(128, 64) is not None

@@ -251,9 +251,9 @@ def test_embedded_engine_stops_where_the_definition_says(bpe_engine, bpe_model_d
 @pytest.fixture
 def fast_kernels(monkeypatch):
     """An in-process engine without its start-up timing of linear kernels (seconds on a busy machine)."""
-    from pipelinerl.engines.embedded import model_runner
+    from pipelinerl.engines.embedded import linear_kernels
 
-    monkeypatch.setattr(model_runner.LinearKernels, "timed",
+    monkeypatch.setattr(linear_kernels.LinearKernels, "timed",
                         classmethod(lambda cls, shapes, *args, **kwargs: cls.fixed(shapes)))
 
 

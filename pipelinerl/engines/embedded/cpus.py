@@ -5,7 +5,7 @@ CPU work: with few cores, the receiving threads (and the trainer's broadcast, wh
 take turns with the decoding thread on the same cores, and an engine kept about 70% of its tokens/s while
 updates arrived back to back (2 cores, `python -m bench --only engine_updates`). Given `--decode-cpus`, the
 engine's decoding thread (and the torch threads it starts) runs on those cores only, and every other thread of
-the server (HTTP, weight receiving, gloo's), and the weight-receiving process (receiver.py), on the others it
+the server (HTTP, weight receiving, gloo's), and the weight-receiving process (receiving_process.py), on the others it
 may use, so updates take the other cores' time, not the decoding's. With a receiving process the HTTP thread
 runs on the decoding cores instead (serve.py says why).
 """

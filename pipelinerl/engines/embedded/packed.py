@@ -4,7 +4,7 @@ oneDNN multiplies fastest by a weight reordered into the layout its kernel reads
 such prepacked weights): on an AMD EPYC with AVX-512, 1.1-1.7x faster than by the same weight stored as is or
 transposed, from about 4 rows up, on the shapes of a 0.5B-parameter Qwen2 (the larger the weight, the more it
 gains). torch hands such weights out only as opaque MKLDNN tensors in memory of their own, which a weight update
-could not be received into, nor the receiving process (receiver.py) write. For float32 on AVX-512 CPUs that
+could not be received into, nor the receiving process (receiving_process.py) write. For float32 on AVX-512 CPUs that
 layout (`AB16b64a`) is plain panels: the weight [out, in] cut into blocks of 64 output rows, each block stored
 transposed, [out / 64, in, 64]. So the engine keeps such panels as an ordinary dense tensor (`packed_copier`
 fills one from a weight in one torch copy) and multiplies by an MKLDNN tensor that views the same memory
@@ -94,7 +94,7 @@ class PackedLayout:
 
     def view(self, panels: torch.Tensor, rows: object = None) -> torch.Tensor:
         """An MKLDNN tensor [out, in] over the memory of `panels` (which it keeps alive, as `.panels`), for
-        `linear_packed`; `.rows` is what the runner multiplies by instead for some row counts (model_runner.py's
+        `linear_packed`; `.rows` is what the runner multiplies by instead for some row counts (slot_runner.py's
         `_RowsOperand`)."""
         shim = _shim()
         sizes = (ctypes.c_int64 * 2)(self.out_features, self.in_features)

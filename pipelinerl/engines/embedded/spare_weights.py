@@ -15,7 +15,7 @@ layout take turns, so steady-state updates allocate nothing: the one being recei
 live weights point into. A new layout (another bucket size or parameter list) gets new arenas; the old ones
 are freed once no weight points into them.
 
-The same bookkeeping serves an engine that receives in a process of its own (`receiver.py`): there every
+The same bookkeeping serves an engine that receives in a process of its own (`receiving_process.py`): there every
 allocation is in shared memory (`shared=True`), the receiving process runs `staging` and tells the engine where
 each storage's spare lies (`spares_of`), the engine takes those spares (`take_spares`) and switches, and the
 receiving process mirrors the switch without copying a byte (`switch(copy_members=False)`), so that both
@@ -157,7 +157,7 @@ class SpareWeights:
     into only when no live weight points into it."""
 
     def __init__(self, params: dict[str, torch.Tensor], fused_groups: list, shared: bool = False) -> None:
-        """`shared`: allocate spares and arenas in shared memory, for a receiving process (`receiver.py`)."""
+        """`shared`: allocate spares and arenas in shared memory, for a receiving process (`receiving_process.py`)."""
         self._shared = shared
         where: dict[int, tuple[_Storage, int]] = {}
         for buffer, members in fused_groups:

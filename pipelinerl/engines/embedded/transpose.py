@@ -1,6 +1,6 @@
 """Copies of weight matrices stored transposed, made fast on CPU.
 
-The embedded engine multiplies by such copies where BLAS is faster with them (model_runner.py) and makes them
+The embedded engine multiplies by such copies where BLAS is faster with them (slot_runner.py) and makes them
 anew from every weight update it receives, on the receiving CPUs as the weights arrive: their speed is CPU time
 taken beside decoding, and the last weight's copy is added to the update's latency. torch's own copy into a
 transposed layout runs at 0.6-3 GB/s on the CPUs measured; MKL's out-of-place transpose (`mkl_?omatcopy`, which
@@ -107,7 +107,7 @@ def _mkl_omatcopy(dtype: torch.dtype):
 
 
 class UpdateCopies:
-    """Transposed copies of one update's received weights for the runner's relayout slots (model_runner.py:
+    """Transposed copies of one update's received weights for the runner's relayout slots (slot_runner.py:
     where it multiplies by such copies), built before the switch while decoding goes on with the old weights
     and copies. Built after the switch instead, decoding would run on stale copies (wrong) or on the live
     weights (slower) until they were ready. `received` copies each weight as soon as its last piece has
@@ -115,7 +115,7 @@ class UpdateCopies:
     a thread of its own would contend with decoding for the GIL at every hand-over. `slots`: every slot the
     update changes; of them, `stale` are changed in place at the switch (a partial update of a fused buffer),
     so their copies can only be built after it. Not `eager`: nothing is built before the switch. `runner`: the
-    SlotRunner, or what stands for it in a receiving process (receiver.py's CopyBook): `relayout_slots` and
+    SlotRunner, or what stands for it in a receiving process (receiving_process.py's CopyBook): `relayout_slots` and
     `copy_plans` are all that is read."""
 
     def __init__(self, runner, incoming: dict[int, tuple[torch.Tensor | None, list[int]]], eager: bool):

@@ -3,11 +3,11 @@
 An update is received into the spare side of the weights (`spare_weights.py`) while decoding goes on, with the
 transposed copies of the new weights where the runner multiplies by such copies (`transpose.py`). The receiver
 fills a `PendingSwitch` with what the engine thread must do, hands it over (`EngineSide.hand_over`), and returns
-once the engine thread has switched at its next step boundary (engine.py's `_switch_weights`).
+once the engine thread has switched at its next step boundary (weight_switch.py's `WeightSwitch.switch`).
 
 - `ThreadReceiver`: on a worker thread of the engine's process. The default on GPU, where decoding runs on the
   device and the receiving thread's Python costs it little.
-- `ProcessReceiver`: in a process of its own (`receiver.py`), the weights in shared memory. The default on CPU,
+- `ProcessReceiver`: in a process of its own (`receiving_process.py`), the weights in shared memory. The default on CPU,
   where a receiving thread's Python takes the GIL that decoding needs between its torch calls.
 
 Both are called from the server's event loop, one call at a time (the engine's update lock), and neither adds
@@ -31,7 +31,7 @@ import torch
 from pipelinerl.contracts.inference import InitWeightUpdateGroupRequest
 from pipelinerl.contracts.routes import ContractError
 from pipelinerl.engines.embedded.cpus import CpuSplit
-from pipelinerl.engines.embedded.receiver import ReceiverDied, ReceivingProcess, Setup, shared_memory_shortfall
+from pipelinerl.engines.embedded.receiving_process import ReceiverDied, ReceivingProcess, Setup, shared_memory_shortfall
 from pipelinerl.engines.embedded.spare_weights import SpareWeights
 from pipelinerl.engines.embedded.transpose import UpdateCopies
 from pipelinerl.weight_sync import (
@@ -211,7 +211,7 @@ class ThreadReceiver(UpdateReceiver):
 
 
 class ProcessReceiver(UpdateReceiver):
-    """Receives in a process of its own (receiver.py), started when first asked to join a group; the engine's
+    """Receives in a process of its own (receiving_process.py), started when first asked to join a group; the engine's
     weights move to shared memory at construction, before decoding starts (moving memory that a step reads
     would pull it from under the step). Everything is awaited on the event loop: no thread of the engine's
     process wakes up for an update but the event loop's and the engine thread, which says when it switched."""
@@ -270,7 +270,7 @@ class ProcessReceiver(UpdateReceiver):
         return received.last_byte
 
     async def call(self, command: str, *args):
-        """Run a command in the receiving process (receiver.py's `_Process`), starting it first if need be. One
+        """Run a command in the receiving process (receiving_process.py's `_Process`), starting it first if need be. One
         that died is replaced (and counted); the group it was in is gone with it."""
         if self._process is not None and self._process.busy:  # a call that was cancelled midway: start afresh
             process, self._process = self._process, None

@@ -17,7 +17,7 @@ this process does everything an update needs except the switch:
   and it never writes memory the engine is reading: the next update starts only after the engine switched.
 
 The engine talks to it through `ReceivingProcess` (one call at a time, over a pipe, awaited on the server's
-event loop; shared tensors travel as file descriptors, each storage once), driven by receiving.py's
+event loop; shared tensors travel as file descriptors, each storage once), driven by update_receivers.py's
 `ProcessReceiver`. A process that dies is replaced and counted there; the group it was in is lost with it, so
 the trainer must ask the engine to join again.
 """
@@ -118,7 +118,7 @@ class ReceiverDied(RuntimeError):
 
 
 class CopyBook:
-    """The receiving process's side of the runner's transposed (or packed) copies (model_runner.py): the live
+    """The receiving process's side of the runner's transposed (or packed) copies (slot_runner.py): the live
     weight and the copies' layout of each relayout slot, and the copies to write the next ones into. A copy the
     engine takes into use retires the one before it; this process writes only into retired copies (or new
     memory), never into the copy in use. Which the engine uses is known here from the copies it was sent: the
@@ -196,7 +196,7 @@ class _Process:
 
     def update(self, specs: list[TensorSpec], bucket_bytes: int, build_copies: bool) -> Received:
         """Receive an update (checked by the engine) into spare memory, with the transposed copies of its
-        weights if `build_copies` (the engine is decoding: see `ThreadReceiver._receive` in receiving.py)."""
+        weights if `build_copies` (the engine is decoding: see `ThreadReceiver._receive` in update_receivers.py)."""
         group = self._group()
         names = [s.name for s in specs]
         plan = self.spare.staging(specs, bucket_bytes)
