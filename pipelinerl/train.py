@@ -324,163 +324,239 @@ def train(cfg: RunConfig, engines: str, stop: StopSignals | None = None,
 
 def _train(cfg: RunConfig, engines: str, stop: StopSignals, trainer: TrainerBackend,
            on_exit: contextlib.ExitStack) -> int:
-    run_dir = Path(cfg.run_dir)
-    # With several trainer processes every one reads the same samples and takes its share of each batch; only
-    # the main process writes metrics, announces versions and evaluates (it alone talks to the engines).
-    main = trainer.is_main_process
-    position: dict = {}
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None:
-        position = trainer.load_checkpoint(ckpt)
-        log.info("resumed from %s at version %d", ckpt, trainer.version)
-    metrics = None
-    if main:  # steps after the checkpoint will be redone: their rows go, so every step is in the file once
-        removed = continue_metrics(run_dir, trainer.version)
-        if removed:
-            log.info("metrics.jsonl: removed %d rows of steps after version %d (redone now)", removed,
-                     trainer.version)
-        metrics = MetricsSink(run_dir, cfg.metrics, OmegaConf.to_container(OmegaConf.structured(cfg)),
-                              resume_version=trainer.version)
-        # which groups each step trained on and dropped: a resume can be audited to redo no step twice and lose
-        # no group (tests/test_pipeline.py)
-        continue_metrics(run_dir, trainer.version, AUDIT_FILE)
-        audit = JsonlAppender(run_dir / AUDIT_FILE)
-    checkpoints = Checkpoints(trainer, cfg.trainer, run_dir, saved_version=trainer.version)
-    # the launcher starts this process while the engines load their models: the work above overlapped theirs
-    ready_s, waited = process_age_s(), time.monotonic()
-    engine_urls = engine_urls_of(engines, lambda: stop.requested)
-    if engine_urls is None:
+    """The loop, phase by phase: set up, then per step take a batch, train, publish the weights, record the step,
+    evaluate and save when due; then finish. What it opens is closed by `on_exit` whatever ends the run."""
+    run = TrainingRun(cfg, stop, trainer, on_exit)
+    if not run.setup(engines):
         log.warning("stopped by %s before the engines answered", signal.Signals(stop.signum).name)
-        if metrics:
-            metrics.close()
-            audit.close()
         return 128 + stop.signum
-    if ready_s is not None and main:
-        log.info("set up in %.1f s from the process's start (imports, model, optimizer), then waited %.1f s for "
-                 "the engines", ready_s, time.monotonic() - waited)
-    # every tensor-parallel worker of an engine is a rank of the weight-update group
-    group = trainer.connect_engines(engine_urls, ranks_per_engine=cfg.engine.tensor_parallel_size)
-    # left before the trainer closes (a group left to interpreter shutdown can abort the process); `group` is
-    # re-formed when an engine rejoins, so the closer reads the variable when it runs
-    on_exit.callback(lambda: group.destroy() if group is not None else None)
-    if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights
-        trainer.broadcast_weights(group, engine_urls)
-    control = open_writer(cfg.streams, run_dir, "control", "trainer") if main else None
-    if control is not None:
-        on_exit.callback(control.close)
-    feed = SampleFeed(cfg, position.get("consumed_samples", 0))
-    announce(control, {"kind": "version", "version": trainer.version, "consumed": feed.consumed})
-    stale_dropped = position.get("stale_dropped", 0)
-    started = time.monotonic() - position.get("elapsed_s", 0.0)
-    evaluator = HeldOutEval(cfg, engine_urls, enabled=main and cfg.trainer.eval_every > 0)
-    on_exit.callback(evaluator.close)
-    stopped = False
-    failure: NonFiniteSteps | None = None
-    skipped_in_a_row = 0  # steps whose every update was skipped (a non-finite loss or gradient norm), in a row
-    engines_rejoined = 0  # engines that died, were restarted and rejoined the weight-update group
-    step_position = _position(feed, stale_dropped, started)  # where the stream stands after the last whole step
+    stopped, failure = False, None
     try:
-        if evaluator.enabled and trainer.version == 0:
-            eval_row = evaluator.run(0, time.monotonic() - started, feed.consumed)
-            metrics.write(eval_row)
-            trainer.note_eval_score(eval_row["eval_accuracy"])
-        # The other processes wait here, not in the first step's collectives, while the main one connects to the
-        # engines and evaluates (longer than any collective timeout that still catches a hang: see ranks.py).
-        trainer.barrier("connecting to the engines and the first held-out evaluation")
-        last = time.monotonic()
+        run.first_evaluation()
         while trainer.version < cfg.trainer.max_steps:
-            batch, dropped = feed.take_fresh(
-                cfg.trainer.samples_per_step, trainer.version, cfg.actor.max_lag,
-                on_dropped=lambda taken: announce(control, {"kind": "version", "version": trainer.version,
-                                                            "consumed": feed.consumed, "taking": taken}),
-                should_stop=lambda: stop.requested)
-            stale_dropped += dropped
-            waited = time.monotonic() - last
+            batch, waited = run.take_batch()
             stats = trainer.optimizer_step(batch)
-            # an engine that died and was restarted rejoins here, before the broadcast that gives it the weights;
-            # a stop while waiting for it skips the broadcast (on every rank: sharded ones gather together), and
-            # the step is saved as trained
-            interrupted = False
-            try:
-                group, came_back = trainer.ensure_engines(group, engine_urls, cfg.engine.tensor_parallel_size,
-                                                          cfg.engine.restart_wait_s, lambda: stop.requested)
-                engines_rejoined += len(came_back)
-            except EngineWaitInterrupted:
-                interrupted = True
-            [interrupted] = trainer.any_process(interrupted)
-            sync = BroadcastStats(trainer.version, 0, 0.0)
-            if not interrupted:
-                try:
-                    group, sync, rejoined = push_recovering(trainer, group, engine_urls, cfg,
-                                                            lambda: stop.requested)
-                    engines_rejoined += rejoined
-                except EngineWaitInterrupted:  # (one trainer process: push_recovering retries only there)
-                    interrupted = True
-            if not interrupted:
-                announce(control, {"kind": "version", "version": trainer.version, "consumed": feed.consumed})
-            now = time.monotonic()
-            tokens = sum(len(s.output_token_ids) for s in batch)
-            row = {"step": trainer.version, "time": now - started, "samples": len(batch),
-                   "samples_total": feed.consumed,
-                   "samples_per_s": len(batch) / (now - last), "tokens_per_s": tokens / (now - last),
-                   "wait_for_samples_s": waited, "broadcast_s": sync.seconds, "broadcast_bytes": sync.bytes,
-                   "stale_dropped": stale_dropped, "stream_corrupt": feed.reader.corrupt,
-                   "engines_rejoined": engines_rejoined, "checkpoint_failures": checkpoints.failures,
-                   "min_version_in_batch": min(s.oldest_version for s in batch),
-                   **batch_metrics(batch), **stats}
-            step_position = _position(feed, stale_dropped, started)
-            if cfg.trainer.export_every and (trainer.version % cfg.trainer.export_every == 0
-                                             or trainer.version == cfg.trainer.max_steps):
-                # on the run's clock (later rows' `time`); the actor generates meanwhile, as during an evaluation,
-                # but an export takes a small part of a step (`export_s`)
-                t = time.monotonic()
-                trainer.export(run_dir / "exports" / f"step_{trainer.version}")
-                row["export_s"] = time.monotonic() - t
-            if metrics:
-                metrics.write(row)
-                audit.write({"step": trainer.version, "trained": sorted({s.group_id for s in batch}),
-                             "dropped": feed.take_dropped_groups()})
+            sync, interrupted = run.publish()
+            run.record(batch, stats, waited, sync)
             if interrupted:
                 stopped = True
                 break
-            # alike on every rank: a step is skipped when the global gradient norm (reduced over them) is not finite
-            skipped_in_a_row = skipped_in_a_row + 1 if stats.get("skipped") else 0
-            if skipped_in_a_row >= cfg.trainer.max_skipped_steps:
-                raise NonFiniteSteps(skipped_in_a_row, trainer.version)
-            if evaluator.enabled and (trainer.version % cfg.trainer.eval_every == 0
-                                      or trainer.version == cfg.trainer.max_steps):
-                eval_row = evaluator.run(trainer.version, time.monotonic() - started, feed.consumed)
-                metrics.write(eval_row)
-                trainer.note_eval_score(eval_row["eval_accuracy"])  # for trainer.ref_reset_patience
+            run.count_skipped(stats)
+            run.evaluate_when_due()
             # the main process pushed the weights to the engines (and maybe evaluated) alone
             trainer.barrier(f"step {trainer.version}'s weight push and held-out evaluation")
-            last = time.monotonic()
-            save_now, stopped = checkpoints.decide(stop.requested)
-            if save_now and not stopped:
-                checkpoints.save(step_position, periodic=True)
+            stopped = run.save_when_due()
             if stopped:
                 break
     except StopRequested:
         stopped = True
     except NonFiniteSteps as e:
         failure = e
-    finally:
-        if metrics:
-            metrics.close()
-            audit.close()
-    # after the last whole step: samples a stopped step had taken while waiting for more are taken again on resume
-    checkpoints.save(step_position)
-    if failure is not None:
-        log.error("%s", failure)
-        return NON_FINITE_EXIT
-    if stopped:
-        signum = stop.signum or signal.SIGTERM
-        log.warning("stopped by %s at version %d of %d: checkpoint saved; rerun the same command to resume",
-                    signal.Signals(signum).name, trainer.version, cfg.trainer.max_steps)
-        return 128 + signum
-    trainer.export(run_dir / "final_model")
-    announce(control, {"kind": "done", "version": trainer.version})
-    return 0
+    return run.finish(stopped, failure)
+
+
+class TrainingRun:
+    """One trainer process's run, owned in one place: what it opened (registered on the caller's ExitStack), where
+    the stream stands, and the counters every step's metrics row carries. With several trainer processes every one
+    reads the same samples and takes its share of each batch; only the main process writes metrics, announces
+    versions and evaluates (it alone talks to the engines)."""
+
+    def __init__(self, cfg: RunConfig, stop: StopSignals, trainer: TrainerBackend, on_exit: contextlib.ExitStack):
+        self.cfg, self.stop, self.trainer, self.on_exit = cfg, stop, trainer, on_exit
+        self.run_dir = Path(cfg.run_dir)
+        self.main = trainer.is_main_process
+        self.metrics: MetricsSink | None = None
+        self.audit: JsonlAppender | None = None
+        self.control = None
+        self.group: WeightUpdateGroup | None = None
+        self.engine_urls: list[str] = []
+        self.stale_dropped = 0
+        self.skipped_in_a_row = 0  # steps whose every update was skipped (a non-finite loss or gradient norm)
+        self.engines_rejoined = 0  # engines that died, were restarted and rejoined the weight-update group
+        self.last = time.monotonic()  # the end of the last step (its barrier): a step's rates count from here
+
+    def should_stop(self) -> bool:
+        return self.stop.requested
+
+    # -- setup ------------------------------------------------------------------------------------------------
+
+    def setup(self, engines: str) -> bool:
+        """Resume from the newest checkpoint, open the metrics, wait for the engines, form the weight-update group
+        and open the control stream. False when a stop signal came before the engines answered."""
+        cfg, trainer = self.cfg, self.trainer
+        position: dict = {}
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is not None:
+            position = trainer.load_checkpoint(ckpt)
+            log.info("resumed from %s at version %d", ckpt, trainer.version)
+        if self.main:
+            self._open_metrics()
+        self.checkpoints = Checkpoints(trainer, cfg.trainer, self.run_dir, saved_version=trainer.version)
+        # the launcher starts this process while the engines load their models: the work above overlapped theirs
+        ready_s, waited = process_age_s(), time.monotonic()
+        engine_urls = engine_urls_of(engines, self.should_stop)
+        if engine_urls is None:
+            return False
+        self.engine_urls = engine_urls
+        if ready_s is not None and self.main:
+            log.info("set up in %.1f s from the process's start (imports, model, optimizer), then waited %.1f s "
+                     "for the engines", ready_s, time.monotonic() - waited)
+        # every tensor-parallel worker of an engine is a rank of the weight-update group
+        self.group = trainer.connect_engines(engine_urls, ranks_per_engine=cfg.engine.tensor_parallel_size)
+        # left before the trainer closes (a group left to interpreter shutdown can abort the process); the group
+        # is re-formed when an engine rejoins, so the closer reads the attribute when it runs
+        self.on_exit.callback(lambda: self.group.destroy() if self.group is not None else None)
+        if trainer.version > 0:  # the engines loaded the base model; give them the resumed weights
+            trainer.broadcast_weights(self.group, engine_urls)
+        self.control = open_writer(cfg.streams, self.run_dir, "control", "trainer") if self.main else None
+        if self.control is not None:
+            self.on_exit.callback(self.control.close)
+        self.feed = SampleFeed(cfg, position.get("consumed_samples", 0))
+        self.announce_version()
+        self.stale_dropped = position.get("stale_dropped", 0)
+        self.started = time.monotonic() - position.get("elapsed_s", 0.0)
+        self.evaluator = HeldOutEval(cfg, engine_urls, enabled=self.main and cfg.trainer.eval_every > 0)
+        self.on_exit.callback(self.evaluator.close)
+        self.step_position = self.position()  # where the stream stands after the last whole step
+        return True
+
+    def _open_metrics(self) -> None:
+        # steps after the checkpoint will be redone: their rows go, so every step is in the file once
+        version = self.trainer.version
+        removed = continue_metrics(self.run_dir, version)
+        if removed:
+            log.info("metrics.jsonl: removed %d rows of steps after version %d (redone now)", removed, version)
+        self.metrics = MetricsSink(self.run_dir, self.cfg.metrics, OmegaConf.to_container(OmegaConf.structured(
+            self.cfg)), resume_version=version)
+        self.on_exit.callback(self.metrics.close)
+        # which groups each step trained on and dropped: a resume can be audited to redo no step twice and lose
+        # no group (tests/test_pipeline.py)
+        continue_metrics(self.run_dir, version, AUDIT_FILE)
+        self.audit = JsonlAppender(self.run_dir / AUDIT_FILE)
+        self.on_exit.callback(self.audit.close)
+
+    def first_evaluation(self) -> None:
+        if self.evaluator.enabled and self.trainer.version == 0:
+            self.evaluate()
+        # The other processes wait here, not in the first step's collectives, while the main one connects to the
+        # engines and evaluates (longer than any collective timeout that still catches a hang: see ranks.py).
+        self.trainer.barrier("connecting to the engines and the first held-out evaluation")
+        self.last = time.monotonic()
+
+    # -- a step -----------------------------------------------------------------------------------------------
+
+    def take_batch(self) -> tuple[list[Sample], float]:
+        """The next batch of fresh samples, and how long the wait for it took."""
+        batch, dropped = self.feed.take_fresh(
+            self.cfg.trainer.samples_per_step, self.trainer.version, self.cfg.actor.max_lag,
+            on_dropped=lambda taken: self.announce_version(taking=taken), should_stop=self.should_stop)
+        self.stale_dropped += dropped
+        return batch, time.monotonic() - self.last
+
+    def publish(self) -> tuple[BroadcastStats, bool]:
+        """Push the new weights to the engines and announce the version. An engine that died and was restarted
+        rejoins first, before the broadcast that gives it the weights; a stop while waiting for it skips the
+        broadcast (on every rank: sharded ones gather together), and the step is saved as trained. Returns the
+        broadcast's stats and whether a stop interrupted it."""
+        cfg, trainer = self.cfg, self.trainer
+        interrupted = False
+        try:
+            self.group, came_back = trainer.ensure_engines(self.group, self.engine_urls,
+                                                           cfg.engine.tensor_parallel_size,
+                                                           cfg.engine.restart_wait_s, self.should_stop)
+            self.engines_rejoined += len(came_back)
+        except EngineWaitInterrupted:
+            interrupted = True
+        [interrupted] = trainer.any_process(interrupted)
+        sync = BroadcastStats(trainer.version, 0, 0.0)
+        if not interrupted:
+            try:
+                self.group, sync, rejoined = push_recovering(trainer, self.group, self.engine_urls, cfg,
+                                                             self.should_stop)
+                self.engines_rejoined += rejoined
+            except EngineWaitInterrupted:  # (one trainer process: push_recovering retries only there)
+                interrupted = True
+        if not interrupted:
+            self.announce_version()
+        return sync, interrupted
+
+    def record(self, batch: list[Sample], stats: dict, waited: float, sync: BroadcastStats) -> None:
+        """The step's metrics row and audit line (main process), and an export when one is due."""
+        trainer, now = self.trainer, time.monotonic()
+        tokens = sum(len(s.output_token_ids) for s in batch)
+        row = {"step": trainer.version, "time": now - self.started, "samples": len(batch),
+               "samples_total": self.feed.consumed,
+               "samples_per_s": len(batch) / (now - self.last), "tokens_per_s": tokens / (now - self.last),
+               "wait_for_samples_s": waited, "broadcast_s": sync.seconds, "broadcast_bytes": sync.bytes,
+               "stale_dropped": self.stale_dropped, "stream_corrupt": self.feed.reader.corrupt,
+               "engines_rejoined": self.engines_rejoined, "checkpoint_failures": self.checkpoints.failures,
+               "min_version_in_batch": min(s.oldest_version for s in batch),
+               **batch_metrics(batch), **stats}
+        self.step_position = self.position()
+        every = self.cfg.trainer.export_every
+        if every and (trainer.version % every == 0 or trainer.version == self.cfg.trainer.max_steps):
+            # on the run's clock (later rows' `time`); the actor generates meanwhile, as during an evaluation,
+            # but an export takes a small part of a step (`export_s`)
+            t = time.monotonic()
+            trainer.export(self.run_dir / "exports" / f"step_{trainer.version}")
+            row["export_s"] = time.monotonic() - t
+        if self.metrics:
+            self.metrics.write(row)
+            self.audit.write({"step": trainer.version, "trained": sorted({s.group_id for s in batch}),
+                              "dropped": self.feed.take_dropped_groups()})
+
+    def count_skipped(self, stats: dict) -> None:
+        """Stop the run (NonFiniteSteps) after `trainer.max_skipped_steps` skipped steps in a row. Alike on every
+        rank: a step is skipped when the global gradient norm (reduced over them) is not finite."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if stats.get("skipped") else 0
+        if self.skipped_in_a_row >= self.cfg.trainer.max_skipped_steps:
+            raise NonFiniteSteps(self.skipped_in_a_row, self.trainer.version)
+
+    def evaluate_when_due(self) -> None:
+        every, version = self.cfg.trainer.eval_every, self.trainer.version
+        if self.evaluator.enabled and (version % every == 0 or version == self.cfg.trainer.max_steps):
+            self.evaluate()
+
+    def evaluate(self) -> None:
+        row = self.evaluator.run(self.trainer.version, time.monotonic() - self.started, self.feed.consumed)
+        self.metrics.write(row)
+        self.trainer.note_eval_score(row["eval_accuracy"])  # for trainer.ref_reset_patience
+
+    def save_when_due(self) -> bool:
+        """Save a periodic checkpoint when one is due; whether to stop now (agreed by every trainer process)."""
+        self.last = time.monotonic()
+        save_now, stopped = self.checkpoints.decide(self.stop.requested)
+        if save_now and not stopped:
+            self.checkpoints.save(self.step_position, periodic=True)
+        return stopped
+
+    # -- the end ----------------------------------------------------------------------------------------------
+
+    def finish(self, stopped: bool, failure: NonFiniteSteps | None) -> int:
+        """Save the last whole step (samples a stopped step had taken while waiting for more are taken again on
+        resume), then export the final model on a finished run. The exit code: 0, 128 + the stop signal, or
+        NON_FINITE_EXIT."""
+        trainer = self.trainer
+        self.checkpoints.save(self.step_position)
+        if failure is not None:
+            log.error("%s", failure)
+            return NON_FINITE_EXIT
+        if stopped:
+            signum = self.stop.signum or signal.SIGTERM
+            log.warning("stopped by %s at version %d of %d: checkpoint saved; rerun the same command to resume",
+                        signal.Signals(signum).name, trainer.version, self.cfg.trainer.max_steps)
+            return 128 + signum
+        trainer.export(self.run_dir / "final_model")
+        announce(self.control, {"kind": "done", "version": trainer.version})
+        return 0
+
+    def announce_version(self, **extra: int) -> None:
+        announce(self.control, {"kind": "version", "version": self.trainer.version, "consumed": self.feed.consumed,
+                                **extra})
+
+    def position(self) -> dict:
+        return {"consumed_samples": self.feed.consumed, "stale_dropped": self.stale_dropped,
+                "elapsed_s": time.monotonic() - self.started}
 
 
 def announce(control, message: dict) -> None:
@@ -546,11 +622,6 @@ class HeldOutEval:
                  ", ".join(f"{b['benchmark']} {b[f'avg@{n}']:.3f}" for b in result["benchmarks"]))
         return {"step": step, "time": elapsed, "samples_total": samples_total, **row,
                 "eval_seconds": time.monotonic() - t0}
-
-
-def _position(feed: SampleFeed, stale_dropped: int, started: float) -> dict:
-    return {"consumed_samples": feed.consumed, "stale_dropped": stale_dropped,
-            "elapsed_s": time.monotonic() - started}
 
 
 def nccl_failure_env(run_dir: str | os.PathLike, environ: Mapping[str, str]) -> dict[str, str]:
