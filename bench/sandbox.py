@@ -1,4 +1,4 @@
-"""What the code-reward sandbox (pipelinerl/rewards/sandbox.py) costs per program: `python -m bench.sandbox
+"""What the code-reward sandbox (pipelinerl/sandbox/) costs per program: `python -m bench.sandbox
 [--quick] [--programs N] [--repeats N]`.
 
 Measured on this machine's cores, with a trivial program (`pass`), so the numbers are the sandbox's own cost:
@@ -29,8 +29,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bench.common import format_table, interleaved, machine, median, verdict
-from pipelinerl.rewards import sandbox
-from pipelinerl.rewards.sandbox import SandboxLimits, isolation, run_python
+from pipelinerl import sandbox
+from pipelinerl.sandbox import SandboxLimits, isolation, run_python
 
 NAME = "sandbox"
 TARGET = 1.0

@@ -150,7 +150,7 @@ def tool_call(text: str, syntax: InterpreterSyntax) -> str | None:
 async def run_tool_code(code: str, limits: Any = None) -> str:
     """Run `code` in the sandbox (a worker thread keeps the event loop free) and return what a model should see:
     its stdout, or the last line of the error."""
-    from pipelinerl.rewards.sandbox import SandboxLimits, run_python
+    from pipelinerl.sandbox import SandboxLimits, run_python
 
     result = await asyncio.to_thread(run_python, code, "", limits or SandboxLimits(wall_s=5.0))
     if result.status == "ok":

@@ -15,7 +15,8 @@ LAYERS: list[list[str]] = [
     ["contracts", "plugins"],  # the inference and trainer contracts, the engine-kind type, the plug-in names
     ["rl", "samples", "models"],  # pure tensor math, the sample record, model building and fetching
     ["config", "config_reference", "cli_args", "auth"],  # the run's settings; argument types; keys and binds
-    ["streams", "weight_sync", "metrics", "procs", "sizing"],  # the pipes between the processes
+    # the pipes between the processes; the sandbox for model-written programs (the code reward's and the tools')
+    ["streams", "weight_sync", "metrics", "procs", "sizing", "sandbox"],
     ["rewards"],  # scoring answers, in worker processes
     ["tasks", "workflow"],  # problems, prompts and their verifiers; multi-turn rollouts
     ["engines", "trainer"],  # the two sides of a weight update

@@ -1,4 +1,4 @@
-"""The code-reward sandbox (pipelinerl/rewards/sandbox.py) against hostile programs: each case checks the status
+"""The code-reward sandbox (pipelinerl/sandbox/) against hostile programs: each case checks the status
 and reason the run reports, and that the machine is intact afterwards (this process alive, no process of the
 run's uid left, files outside untouched, the next ordinary run fine). Assertions that need an isolation feature
 skip, naming it, where `isolation()` says the machine does not give it; `test_isolation_is_complete_here` fails
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from conftest import wait_until
 
-from pipelinerl.rewards import sandbox
-from pipelinerl.rewards.sandbox import RunResult, SandboxLimits, isolation, run_python
+from pipelinerl import sandbox
+from pipelinerl.sandbox import RunResult, SandboxLimits, isolation, run_python
 
 SANDBOX_FILE = Path(sandbox.__file__)
 FAST = SandboxLimits(wall_s=10.0, cpu_s=5.0)  # generous: ordinary cases must not flake on a busy machine
@@ -480,8 +480,9 @@ def test_non_root_caller() -> None:
     # a copy nobody can read: the checkout may sit under a directory only root can enter (mktemp -d makes 0700)
     readable = Path(tempfile.mkdtemp(prefix="pipelinerl-sandbox-test-"))
     readable.chmod(0o755)
-    shutil.copy(SANDBOX_FILE, readable / "sandbox.py")
-    (readable / "sandbox.py").chmod(0o644)
+    for source, name in ((SANDBOX_FILE, "sandbox.py"), (Path(sandbox.HARNESS_FILE), "harness.py")):  # side by side
+        shutil.copy(source, readable / name)
+        (readable / name).chmod(0o644)
     script = (
         "import importlib.util, json, sys\n"
         f"spec = importlib.util.spec_from_file_location('sb', {str(readable / 'sandbox.py')!r})\n"

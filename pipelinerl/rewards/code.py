@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, fields
 
 from pipelinerl.rewards.pool import RewardResult
-from pipelinerl.rewards.sandbox import RunResult, SandboxLimits, run_python
+from pipelinerl.sandbox import RunResult, SandboxLimits, run_python
 
 TEST_KINDS = ("stdio", "function", "calls")
 _PYTHON_TAGS = ("python", "py", "python3", "py3")

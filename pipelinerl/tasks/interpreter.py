@@ -113,7 +113,7 @@ class InterpreterTask:
         return f"{call}{SYNTAX.observation.format(output=problem['answer'] + chr(10))}{problem['answer']}{eos}"
 
     async def rollout(self, engine: RolloutEngine, problem: dict) -> Episode:
-        from pipelinerl.rewards.sandbox import SandboxLimits
+        from pipelinerl.sandbox import SandboxLimits
 
         turns = self.max_turns if self.tool else 1
         return await python_tool_rollout(engine, self.prompt(problem), max_turns=turns, syntax=SYNTAX,
