@@ -37,7 +37,7 @@ from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import is_multi_turn, reward_item, task_from_config
-from pipelinerl.workflow import RolloutEngine, run_episodes
+from pipelinerl.tasks.workflow import RolloutEngine, run_episodes
 
 ENGINE_RETRY_S = 2.0  # how long an engine that could not be reached gets no requests before it is tried again
 log = logging.getLogger("pipelinerl.actor")
@@ -316,7 +316,7 @@ class Actor:
                 for c, r in zip(resp.completions, results)]
 
     async def _episodes_and_score(self, problem: dict) -> list[Sample]:
-        """A multi-turn task's group: `group_size` episodes of its `rollout` (pipelinerl.workflow), each turn sent
+        """A multi-turn task's group: `group_size` episodes of its `rollout` (pipelinerl.tasks.workflow), each turn sent
         to a live engine, then scored like any group."""
         cfg = self.cfg
         t0 = time.monotonic()

@@ -25,7 +25,7 @@ from pipelinerl.contracts.inference import GenerateRequest, GenerateResponse, Sa
 from pipelinerl.engines.client import AsyncEngineClient
 from pipelinerl.rewards import RewardPool
 from pipelinerl.tasks import Task, is_multi_turn, reward_item
-from pipelinerl.workflow import RolloutEngine, run_episodes
+from pipelinerl.tasks.workflow import RolloutEngine, run_episodes
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -92,7 +92,7 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
                                   max_new_tokens=max_new_tokens, n=n, stop=stop,
                                   seed=None if seed is None else seed + 1000 * index)
         async with sem:
-            if is_multi_turn(task):  # a multi-turn task: n episodes of its own loop (pipelinerl.workflow)
+            if is_multi_turn(task):  # a multi-turn task: n episodes of its own loop (pipelinerl.tasks.workflow)
                 engine = RolloutEngine(generate, tokenizer, sampling, max_model_len)
                 episodes = await run_episodes(task, problem, engine, n)
                 outputs = [(e.output_token_ids, e.finish_reason, e.versions, {"turns": e.turns,

@@ -17,7 +17,7 @@ class Sample(BaseModel):
     output_token_ids: list[int]
     behav_logprobs: list[float] = Field(description="engine log-probs of output tokens (behaviour policy)")
     versions: list[int] = Field(description="weight version that produced each output token")
-    # Multi-turn rollouts (pipelinerl.workflow): 1 on the tokens the model wrote, 0 on tokens the environment put
+    # Multi-turn rollouts (pipelinerl.tasks.workflow): 1 on the tokens the model wrote, 0 on tokens the environment put
     # in the context (a tool's output). The trainer trains on the 1s only; a 0 token has behaviour log-prob 0 and
     # version -1, as no policy produced it. Empty: every output token is the model's (single-turn).
     output_mask: list[int] = Field(default_factory=list)

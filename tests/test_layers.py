@@ -18,7 +18,7 @@ LAYERS: list[list[str]] = [
     # the pipes between the processes; the sandbox for model-written programs (the code reward's and the tools')
     ["streams", "weight_sync", "metrics", "procs", "sizing", "sandbox"],
     ["rewards"],  # scoring answers, in worker processes
-    ["tasks", "workflow"],  # problems, prompts and their verifiers; multi-turn rollouts
+    ["tasks"],  # problems, prompts and their verifiers; multi-turn rollouts (tasks/workflow.py)
     ["engines", "trainer"],  # the two sides of a weight update
     ["actor", "train", "serve", "eval", "conformance", "data", "plot", "placement", "nodes"],  # process roles
     ["launch", "plan", "gpu_setup", "cli"],  # what a user runs

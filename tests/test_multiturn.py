@@ -127,7 +127,7 @@ def test_version_and_lag_metrics_read_model_tokens_only():
 
 def test_tool_calls_are_parsed_from_the_turn_that_stopped_on_them():
     from pipelinerl.tasks.interpreter import final_answer_text
-    from pipelinerl.workflow import InterpreterSyntax, tool_call
+    from pipelinerl.tasks.workflow import InterpreterSyntax, tool_call
 
     syntax = InterpreterSyntax()
     assert tool_call("let me compute\n```python\nprint(2*3)\n```\n", syntax) == "print(2*3)\n"
@@ -210,7 +210,7 @@ def test_seeded_episodes_of_a_group_draw_differently():
 
     from pipelinerl.contracts.inference import Completion, GenerateResponse, SamplingParams
     from pipelinerl.models.tiny import build_char_tokenizer
-    from pipelinerl.workflow import RolloutEngine
+    from pipelinerl.tasks.workflow import RolloutEngine
 
     seeds = []
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from pipelinerl.workflow import Episode, RolloutEngine
+    from pipelinerl.tasks.workflow import Episode, RolloutEngine
 
 
 @runtime_checkable
@@ -32,7 +32,7 @@ class Task(Protocol):
 
 @runtime_checkable
 class MultiTurnTask(Task, Protocol):
-    """A task that drives the engine itself, turn by turn (tools, environments: pipelinerl.workflow). The actor and
+    """A task that drives the engine itself, turn by turn (tools, environments: tasks/workflow.py). The actor and
     the held-out evaluation run `group_size` (or eval_k) episodes of its `rollout` per problem instead of one
     generation of `prompt(problem)`; the episode's last text is scored with `reward_fn` as any task's."""
 

@@ -14,7 +14,7 @@ closing fence, runs the block in the sandbox and appends its output, and the mod
 
 The answer is the integer at the start of the text after the last tool output (the whole text without one).
 To write a task of your own like this, copy this file: `rollout` is the only multi-turn part, and
-`pipelinerl.workflow.python_tool_rollout` is the loop it runs (write your own loop for another environment).
+`pipelinerl.tasks.workflow.python_tool_rollout` is the loop it runs (write your own loop for another environment).
 Name it in a recipe as `task.name: pipelinerl.tasks.interpreter:InterpreterTask` with `task.args`.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from pipelinerl.rewards.pool import RewardResult
 from pipelinerl.tasks.arithmetic import parse_answer
-from pipelinerl.workflow import Episode, InterpreterSyntax, RolloutEngine, python_tool_rollout
+from pipelinerl.tasks.workflow import Episode, InterpreterSyntax, RolloutEngine, python_tool_rollout
 
 SYNTAX = InterpreterSyntax()
 
