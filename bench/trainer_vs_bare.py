@@ -34,7 +34,7 @@ Where the difference goes:
   through oneDNN where that was timed faster than torch's BLAS; the headline trainer and the bare loop both use
   torch's own matmuls, `linear_kernel: blas`, so that the ratio measures the framework); and
   `bare_chunked_head`, the bare loop with the trainer's
-  log-prob gathering (`pipelinerl.rl.packing.packed_logprobs`: chunked LM head whose backward recomputes the
+  log-prob gathering (`pipelinerl.trainer.forward.packed_logprobs`: chunked LM head whose backward recomputes the
   logits of every chunk but the first, the layout built per forward) in place of log_softmax + gather. Each
   gives seconds per step and its cost over the side it changes (median over rounds of the paired difference,
   in wall and in CPU seconds).
@@ -266,7 +266,7 @@ class BareLoop:
 
     def _loss(self, mb: _BareMicroBatch) -> torch.Tensor:
         if self.chunked_head:
-            from pipelinerl.rl.packing import packed_logprobs
+            from pipelinerl.trainer.forward import packed_logprobs
 
             logprobs = packed_logprobs(self.model, mb.packed, 1.0, "auto", self.chunk_tokens)
             return -(mb.packed_weights * logprobs).sum()
@@ -409,10 +409,10 @@ def _rounded(parts: dict[str, float], total: float) -> dict[str, float]:
 def profile_trainer(step: TrainerStep) -> dict[str, float]:
     """One profiled `optimizer_step` of the default config (no reference or proximal pass), seconds by stage."""
     stats, total = _profile(step)
-    head_fwd = _cumulative(stats, "pipelinerl/rl/packing.py", "forward")  # ChunkedHeadLogprobs
-    head_bwd = _cumulative(stats, "pipelinerl/rl/packing.py", "backward")
+    head_fwd = _cumulative(stats, "pipelinerl/trainer/forward.py", "forward")  # ChunkedHeadLogprobs
+    head_bwd = _cumulative(stats, "pipelinerl/trainer/forward.py", "backward")
     mask = _cumulative(stats, "pipelinerl/rl/packing.py", "packed_model_inputs")
-    logprobs = _cumulative(stats, "pipelinerl/rl/packing.py", "packed_logprobs_and_entropy")
+    logprobs = _cumulative(stats, "pipelinerl/trainer/forward.py", "packed_logprobs_and_entropy")
     parts = {
         "packing_and_advantages": _cumulative(stats, "pipelinerl/trainer/batch.py", "build_step")
         + _cumulative(stats, "pipelinerl/trainer/trainer.py", "_set_advantages"),

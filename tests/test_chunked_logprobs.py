@@ -1,4 +1,4 @@
-"""Log-probs and entropy through a chunked LM head (`pipelinerl.rl.packing.ChunkedHeadLogprobs`): the same values
+"""Log-probs and entropy through a chunked LM head (`pipelinerl.trainer.forward.ChunkedHeadLogprobs`): the same values
 and gradients as full [tokens, vocab] logits, at a fraction of the memory, with tied embeddings and the ways the
 trainer calls a model; and what reaches the model's forward for each attention implementation.
 
@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from pipelinerl.rl.losses import entropy_from_logits, logprobs_from_logits
-from pipelinerl.rl.packing import (
+from pipelinerl.rl.packing import build_packed_batch, packed_forward_kwargs
+from pipelinerl.trainer.forward import (
     ChunkedHeadLogprobs,
-    build_packed_batch,
-    packed_forward_kwargs,
     packed_logprobs,
     packed_logprobs_and_entropy,
     resolve_attn_implementation,
@@ -320,7 +319,7 @@ def test_auto_attention_implementation():
 
 def test_auto_attention_warns_without_flash_attn_on_gpu(caplog, monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` raises ImportError
-    with caplog.at_level("WARNING", logger="pipelinerl.rl.packing"):
+    with caplog.at_level("WARNING", logger="pipelinerl.trainer.forward"):
         assert resolve_attn_implementation("auto", "cuda", 16384) == "sdpa"
     assert "pip install flash-attn --no-build-isolation" in caplog.text and "0.75 GiB" in caplog.text
 

@@ -126,7 +126,8 @@ def test_value_clipping_bounds_the_critics_moves(model_dir):
 
 
 def seq_logprob(trainer, prompt, output):
-    from pipelinerl.rl.packing import build_packed_batch, packed_logprobs
+    from pipelinerl.rl.packing import build_packed_batch
+    from pipelinerl.trainer.forward import packed_logprobs
     p = build_packed_batch([prompt + output])
     with torch.no_grad():
         lp = packed_logprobs(trainer.model, p)[len(prompt):]

@@ -14,10 +14,11 @@ from transformers import AutoModelForCausalLM
 from pipelinerl.config import ConfigError, TrainerConfig
 from pipelinerl.models.onednn import onednn_works
 from pipelinerl.models.tiny import build_tiny_model
-from pipelinerl.rl.packing import build_packed_batch, packed_logprobs
+from pipelinerl.rl.packing import build_packed_batch
 from pipelinerl.samples import Sample
 from pipelinerl.trainer import Trainer
 from pipelinerl.trainer import linear_kernels as lk
+from pipelinerl.trainer.forward import packed_logprobs
 
 pytestmark = pytest.mark.skipif(not onednn_works(torch.device("cpu"), torch.float32),
                                 reason="this torch has no working oneDNN")

@@ -8,9 +8,9 @@ from pipelinerl.rl import (
     logprobs_from_logits,
     pack_sequences,
     packed_causal_mask,
-    packed_logprobs,
     to_additive_mask,
 )
+from pipelinerl.trainer.forward import packed_logprobs
 
 transformers = pytest.importorskip("transformers")
 
@@ -245,7 +245,7 @@ def test_shared_prompt_batch_by_hand():
 def test_shared_prompts_give_the_unshared_logprobs_and_gradients(models, impl):
     """The same log-probs, entropies and gradients as every sequence packed whole, from fewer tokens; a changed
     answer changes nothing of its group's other answers (they do not see each other)."""
-    from pipelinerl.rl.packing import packed_logprobs_and_entropy
+    from pipelinerl.trainer.forward import packed_logprobs_and_entropy
 
     model = models[impl]
     weights = [torch.tensor([0.0] * p + [1.0 + 0.1 * j for j in range(len(s) - p)])

@@ -13,7 +13,7 @@ from pipelinerl.config import TrainerConfig, WeightSyncConfig
 from pipelinerl.engines.embedded.engine import tensor_checksums
 from pipelinerl.models.tiny import build_tiny_model
 from pipelinerl.procs import free_port
-from pipelinerl.rl import build_packed_batch, packed_logprobs
+from pipelinerl.rl import build_packed_batch
 from pipelinerl.samples import Sample
 from pipelinerl.trainer import (
     Trainer,
@@ -29,6 +29,7 @@ from pipelinerl.trainer import (
     save_checkpoint,
     set_sample_advantages,
 )
+from pipelinerl.trainer.forward import packed_logprobs
 from pipelinerl.weight_sync import TensorSpec, in_wire_layout, plan_buckets, sibling_order
 
 

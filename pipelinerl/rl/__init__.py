@@ -25,7 +25,6 @@ from pipelinerl.rl.packing import (
     build_packed_batch,
     pack_sequences,
     packed_causal_mask,
-    packed_logprobs,
     to_additive_mask,
 )
 
@@ -47,7 +46,6 @@ __all__ = [
     "masked_mean",
     "pack_sequences",
     "packed_causal_mask",
-    "packed_logprobs",
     "ppo_clip_loss",
     "reinforce_is_loss",
     "reinforce_pp_baseline_advantages",

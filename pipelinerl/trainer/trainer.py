@@ -41,13 +41,7 @@ from pipelinerl.contracts.trainer import BroadcastStats
 from pipelinerl.rl import registry
 from pipelinerl.rl.kl import KLCoefficient, ReferenceResetPolicy, kl_estimate, kl_to_go, reset_reference
 from pipelinerl.rl.losses import aggregate
-from pipelinerl.rl.packing import (
-    PackedBatch,
-    packed_logprobs,
-    packed_logprobs_and_entropy,
-    resolve_attn_implementation,
-    shared_prompts_are_cheaper,
-)
+from pipelinerl.rl.packing import PackedBatch, shared_prompts_are_cheaper
 from pipelinerl.rl.registry import LossInputs
 from pipelinerl.samples import Sample
 from pipelinerl.trainer import update
@@ -62,6 +56,7 @@ from pipelinerl.trainer.batch import (
     set_sample_advantages,
 )
 from pipelinerl.trainer.critic import Critic
+from pipelinerl.trainer.forward import packed_logprobs, packed_logprobs_and_entropy, resolve_attn_implementation
 from pipelinerl.trainer.linear_kernels import choose_shapes, route_linears
 from pipelinerl.trainer.optim import build_optimizer, build_scheduler
 from pipelinerl.trainer.publisher import WeightPublisher
