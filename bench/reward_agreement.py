@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from pipelinerl.rewards.pool import RewardPool, RewardResult, resolve
+from pipelinerl.rewards.pool import RewardPool, resolve
+from pipelinerl.rewards.result import RewardResult
 from pipelinerl.tasks.math_data import load_file
 
 DEFAULT_DATA_DIR = Path("../shared/data/orz_eval")

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from pipelinerl.rewards.choice import choice_reward, is_choice_problem, score_choice
 from pipelinerl.rewards.math import answers_match, last_boxed, math_reward, orz_reward, score_math, score_orz
 from pipelinerl.rewards.orz_exact import orz_exact_reward, score_orz_exact
-from pipelinerl.rewards.pool import COUNTERS, RewardPool, RewardResult, function_ref
+from pipelinerl.rewards.pool import COUNTERS, RewardPool, function_ref
+from pipelinerl.rewards.result import RewardResult
 from pipelinerl.rewards.shaping import (
     cosine_length_reward,
     length_penalty_active,

@@ -21,7 +21,7 @@ import re
 
 from pipelinerl.rewards.math import accepts_unclosed, close_answer_block, judged, last_boxed
 from pipelinerl.rewards.orz_exact import orz_extract
-from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.rewards.result import RewardResult
 
 # One LaTeX wrapper around the whole answer, removed repeatedly: \text{C}, \textbf{(C)}, \mathrm{ C }.
 _WRAPPER = re.compile(r"\\(?:text|textbf|textit|texttt|textrm|mathrm|mathbf|mathit|mathtt|operatorname|boxed)"

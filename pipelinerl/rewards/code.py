@@ -44,7 +44,7 @@ import textwrap
 import time
 from dataclasses import dataclass, fields
 
-from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.rewards.result import RewardResult
 from pipelinerl.sandbox import RunResult, SandboxLimits, run_python
 
 TEST_KINDS = ("stdio", "function", "calls")

@@ -8,8 +8,8 @@ Two rules:
 An unclosed last <answer> block scores 0 under the ORZ rules (here and in `orz_exact`, `choice`), as in ORZ: its
 engine keeps the stop string "</answer>" in the output, and so do this project's engines (`sampling.stop`; the
 SGLang and vLLM fronts ask for it with `no_stop_trim` / `include_stop_str_in_output`), so an output that stopped on
-"</answer>" has it. For outputs from an engine that drops the stop string, `task.accept_unclosed_answer` scores such
-a block as if "</answer>" followed (`close_answer_block`); the math task puts the setting on every problem
+"</answer>" has it. For outputs from an engine that drops the stop string, `task.args.accept_unclosed_answer` scores
+such a block as if "</answer>" followed (`close_answer_block`); the math task puts the setting on every problem
 (`UNCLOSED_KEY`), which is how it reaches the pool workers with the item.
 
 Every 0 carries its reason in `RewardResult.info` ("no \\boxed{} answer", "wrong answer: ...", ...), because a
@@ -31,7 +31,7 @@ import signal
 import threading
 from typing import Any
 
-from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.rewards.result import RewardResult
 
 # Seconds per parse and per comparison for math-verify's own signal timeout. One slow answer costs about two of
 # these (parse, then the one sympy-to-sympy comparison), kept below the pool's default 5 s per answer so a slow
@@ -85,7 +85,7 @@ def answer_block(completion: str) -> str | None:
     return None if end < 0 else completion[start:end]
 
 
-# The problem key carrying `task.accept_unclosed_answer` to the pool entry points of the ORZ rules.
+# The problem key carrying `task.args.accept_unclosed_answer` to the pool entry points of the ORZ rules.
 UNCLOSED_KEY = "accept_unclosed_answer"
 
 
@@ -99,7 +99,7 @@ def close_answer_block(completion: str) -> str:
 
 
 def accepts_unclosed(problem: dict) -> bool:
-    """Whether `task.accept_unclosed_answer` is on for this problem (see the module docstring)."""
+    """Whether `task.args.accept_unclosed_answer` is on for this problem (see the module docstring)."""
     return bool(problem.get(UNCLOSED_KEY, False))
 
 
@@ -195,7 +195,7 @@ def orz_reward(problem: dict, completion: str, finish_reason: str,
     if block is None:
         if "<answer>" in completion:
             return judged(False, "no </answer> after the last <answer> (an engine that drops the stop string "
-                                 "needs task.accept_unclosed_answer)")
+                                 "needs task.args.accept_unclosed_answer)")
         return judged(False, "no <answer> block")
     answer = last_boxed(block)
     if answer is None:

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipelinerl.rewards.math import accepts_unclosed, close_answer_block, judged, shorten, signal_timeout
-from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.rewards.result import RewardResult
 
 # ORZ waits 1 s for the symbolic stage (asyncio.wait_for around it) and counts a late answer as wrong.
 ORZ_SYMPY_TIMEOUT_S = 1.0

@@ -34,12 +34,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from pipelinerl.plugins import import_ref
+from pipelinerl.rewards.result import RewardResult
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +48,6 @@ COUNTERS = ("scored", "timeouts", "crashes", "errors", "out_of_memory", "workers
 WORKER_LOST = ("timeouts", "crashes", "out_of_memory")
 MAX_BATCH = 16  # items in one job of `score` / `score_async`: larger batches balance badly over the workers
 ScoreFn = Callable[[dict], Any] | str
-
-
-@dataclass
-class RewardResult:
-    """One scored completion: the reward, its named components (e.g. `correct`) and why, when it is not plain."""
-
-    reward: float
-    parts: dict[str, float] = field(default_factory=dict)
-    info: str = ""
 
 
 def function_ref(fn: ScoreFn) -> str:

@@ -16,7 +16,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.rewards.result import RewardResult
 
 OPS = "+-*"
 _ANSWER = re.compile(r"-?\d{1,64}")  # capped: a runaway string of digits is wrong anyway, and int() of it is slow

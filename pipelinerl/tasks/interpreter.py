@@ -24,7 +24,7 @@ import functools
 import random
 from dataclasses import dataclass
 
-from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.rewards.result import RewardResult
 from pipelinerl.tasks.arithmetic import parse_answer
 from pipelinerl.tasks.workflow import Episode, InterpreterSyntax, RolloutEngine, python_tool_rollout
 

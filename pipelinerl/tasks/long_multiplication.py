@@ -26,7 +26,7 @@ import functools
 import random
 from dataclasses import dataclass
 
-from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.rewards.result import RewardResult
 from pipelinerl.tasks.base import draw_distinct, stated_answer
 
 

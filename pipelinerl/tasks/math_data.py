@@ -20,7 +20,7 @@ from typing import Any
 from pipelinerl.plugins import REWARD_RULES
 from pipelinerl.rewards.choice import is_choice_problem, score_choice
 from pipelinerl.rewards.math import UNCLOSED_KEY, last_boxed
-from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.rewards.result import RewardResult
 from pipelinerl.tasks.base import hub_rows, json_records
 
 ORZ_TEMPLATE = (

@@ -22,7 +22,8 @@ import random
 from typing import Any
 
 from pipelinerl.plugins import TASKS, import_ref
-from pipelinerl.rewards.pool import RewardResult, function_ref, to_result
+from pipelinerl.rewards.pool import function_ref, to_result
+from pipelinerl.rewards.result import RewardResult
 from pipelinerl.tasks.base import is_multi_turn, split_by_weight
 
 REWARD_KEY = "mix_reward_fn"  # the problem key naming its domain's scoring function ("module:function")

@@ -28,7 +28,7 @@ import json
 import random
 from functools import cache
 
-from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.rewards.result import RewardResult
 from pipelinerl.tasks.base import split_by_weight
 
 ANSWER_FORMATS = ("line", "tag")

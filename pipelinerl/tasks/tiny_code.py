@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 
 from pipelinerl.rewards.code import code_reward
-from pipelinerl.rewards.pool import RewardResult
+from pipelinerl.rewards.result import RewardResult
 from pipelinerl.tasks.base import draw_distinct
 
 # step name -> (how it reads in the prompt, precedence of the result). Precedence (higher binds tighter):
