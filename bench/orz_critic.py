@@ -82,8 +82,8 @@ def prepare(root: Path) -> tuple[Path, Path]:
 
 
 def data_overrides(data: Path) -> list[str]:
-    return [f"task.train_data=[{data}/train.json]",
-            f"task.eval_data=[{data}/eval/add.json,{data}/eval/sub.json,{data}/eval/choice.json]"]
+    return [f"task.args.train_data=[{data}/train.json]",
+            f"task.args.eval_data=[{data}/eval/add.json,{data}/eval/sub.json,{data}/eval/choice.json]"]
 
 
 def generated_accuracy(run_dir: Path) -> tuple[float, float]:

@@ -840,6 +840,8 @@ def compare_workload(recipe: Path, lrs: dict[str, list[float]] | None = None, st
 
 def summarise_workload(name: str, recipe: Path, cfg, runs: list[dict], params: int, threads: int, steps: int,
                        eval_every: int, target_fraction: float) -> dict:
+    from pipelinerl.tasks import task_from_config
+
     main = analyse(runs, target_fraction, "launch_s")
     train_clock = analyse(runs, target_fraction, "train_s")
     sensitivity = {f"{f:g}": analyse(runs, f, "launch_s")["ratio"] for f in (0.5, 0.75, 1.0)}
@@ -888,7 +890,8 @@ def summarise_workload(name: str, recipe: Path, cfg, runs: list[dict], params: i
         "pipelinerl_eval_overlap_bound_s": overlap, "ratio_worst_case": worst,
         "per_run_to_target": main.get("per_run"), "grid": [row(r) for r in runs],
         "settings": {"steps": steps, "eval_every": eval_every, "eval_k": cfg.trainer.eval_k,
-                     "eval_problems": cfg.task.num_eval if cfg.task.name == "arithmetic" else None,
+                     "eval_problems": (len(task_from_config(cfg.task).eval_problems())
+                                       if cfg.task.name == "arithmetic" else None),
                      "samples_per_step": cfg.trainer.samples_per_step, "group_size": cfg.sampling.group_size,
                      "max_new_tokens": cfg.sampling.max_new_tokens, "trl_torch_threads": threads,
                      "pipelinerl_threads": f"{cfg.engine.threads} per engine, {cfg.trainer.threads} per trainer",

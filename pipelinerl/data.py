@@ -319,7 +319,7 @@ def missing_data_hint(path: str) -> str | None:
         command = FETCH_COMMAND if root == Path(DEFAULT_OUT) else f"{FETCH_COMMAND} --out {root}"
         if dest == AIME2025_DEST:
             return (f"`{command}` makes it from the Hugging Face dataset {AIME2025_DEFAULT} (AIME 2025 is not in "
-                    "ORZ's repository), which needs the hub; without it, drop it from task.eval_data")
+                    "ORZ's repository), which needs the hub; without it, drop it from task.args.eval_data")
         also = " (or `make data-orz`)" if command == FETCH_COMMAND else ""
         return f"fetch it with `{command}`{also}"
     return None
@@ -408,8 +408,8 @@ def main(args: argparse.Namespace) -> int:
             print(fetch_aime2025(args.aime2025, out, manifest), flush=True)
         except DataError as e:
             print(f"pipelinerl data orz: {e}.\nCarrying on without AIME 2025: a recipe listing {out / AIME2025_DEST} "
-                  "in task.eval_data (recipes/orz_7b.yaml does) will not start until it is there. Run this again "
+                  "in task.args.eval_data (recipes/orz_7b.yaml does) will not start until it is there. Run this again "
                   "where the Hugging Face hub is reachable, or pass --aime2025 FILE (a JSON/JSONL file of "
-                  "problem/answer records), or drop it from task.eval_data.", file=sys.stderr)
+                  "problem/answer records), or drop it from task.args.eval_data.", file=sys.stderr)
     print(f"data in {out}")
     return 0

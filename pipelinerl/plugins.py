@@ -125,7 +125,7 @@ TASKS: Registry[Callable[..., Any]] = Registry("task", {
     "mix": "pipelinerl.tasks.mix:MixTask",
 })
 
-# `task.reward` of the math task: a scoring function (item -> reward) the reward workers import by its path
+# `task.args.reward` of the math task: a scoring function (item -> reward) the reward workers import by its path
 REWARD_RULES: Registry[Callable[[dict], Any]] = Registry("reward rule", {
     "math": "pipelinerl.rewards.math:score_math",
     "orz": "pipelinerl.rewards.math:score_orz",

@@ -18,7 +18,7 @@ def test_committed_config_reference_equals_generated():
 
     assert REFERENCE.read_text() == render(), "docs/config_reference.md is stale: run `make config-reference`"
     text = render()
-    for key in ("`trainer.critic.lr`", "`engine.kind`", "`actor.max_lag`", "`task.reward`"):  # nested sections too
+    for key in ("`trainer.critic.lr`", "`engine.kind`", "`actor.max_lag`", "`task.reward_fn`"):  # nested sections too
         assert key in text
 
 

@@ -123,7 +123,7 @@ def test_trainer_held_out_eval_writes_the_table_and_per_benchmark_metrics(tiny_m
     from pipelinerl.train import HeldOutEval
 
     cfg = load_config("recipes/tiny_cpu.yaml", [f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
-                                                "task.num_eval=6", "trainer.eval_k=3", "eval.max_new_tokens=4",
+                                                "task.args.num_eval=6", "trainer.eval_k=3", "eval.max_new_tokens=4",
                                                 "eval.stop=['5']"])
     with running_engine(tiny_model_dir, tmp_path) as engine:
         evaluator = HeldOutEval(cfg, [engine.url], enabled=True)

@@ -48,7 +48,8 @@ def node(tmp_path_factory):
     data.mkdir()
     (data / "problems.json").write_text(json.dumps([{"problem": "1 + 1 = ?", "answer": "2"}]))
     return {"bin": standins.standin_bin(base / "bin"), "venv": standins.gpu_venv(base / "venv"), "base": base,
-            "data": [f"task.train_data=[{data / 'problems.json'}]", f"task.eval_data=[{data / 'problems.json'}]"]}
+            "data": [f"task.args.train_data=[{data / 'problems.json'}]",
+                     f"task.args.eval_data=[{data / 'problems.json'}]"]}
 
 
 def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:

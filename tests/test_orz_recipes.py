@@ -21,7 +21,8 @@ ORZ_STOPS = ["User:", "Human:", "Assistant:", "</answer>"]
 @pytest.mark.parametrize("name", ["orz_7b", "orz_32b", "orz_1gpu"])
 def test_gpu_recipes_use_orz_settings(name):
     cfg = load_config(RECIPES / f"{name}.yaml")
-    assert cfg.task.template == "orz" and cfg.task.reward == "orz_exact" and cfg.sampling.stop == ORZ_STOPS
+    assert cfg.task.args["template"] == "orz" and cfg.task.args["reward"] == "orz_exact"
+    assert cfg.sampling.stop == ORZ_STOPS
     # ORZ: lr 1e-6 after 50 warm-up steps, Adam (0.9, 0.95), no weight decay, clip 1, 128 x 64 samples, 8000 tokens
     t = cfg.trainer
     assert (t.lr, t.warmup_steps, t.schedule, t.betas, t.weight_decay, t.grad_clip) == (
@@ -35,7 +36,7 @@ def test_gpu_recipes_use_orz_settings(name):
     assert (c.lr, c.updates, c.value_clip, c.gamma, c.lam, c.whiten_advantages) == (5e-6, 12, 0.2, 1.0, 1.0, True)
     assert not cfg.actor.dynamic_sampling
     assert cfg.model.dtype == "bfloat16" and cfg.resources.gpus_per_node >= 1
-    assert {Path(p).stem for p in cfg.task.eval_data} == {"aime2024", "aime2025", "math500", "gpqa_diamond"}
+    assert {Path(p).stem for p in cfg.task.args["eval_data"]} == {"aime2024", "aime2025", "math500", "gpqa_diamond"}
     assert t.micro_batch_tokens >= cfg.engine.max_model_len > 2048 + cfg.sampling.max_new_tokens - 1
 
 
@@ -80,9 +81,10 @@ def test_missing_resources_and_data_are_said_before_anything_starts(tmp_path):
     cfg32 = load_config(RECIPES / "orz_32b.yaml")
     assert any("WORLD_SIZE=1" in p and "sbatch --nodes 4" in p for p in missing_resources(cfg32, "r", NodeEnv(), 8))
     data = missing_data(load_config(RECIPES / "orz_7b.yaml", [
-        "task.train_data=[/nonexistent/orz_math_57k_collected.json]", "task.eval_data=[]"]))
-    assert len(data) == 1 and "task.train_data" in data[0] and "/nonexistent" in data[0]
-    hub = load_config(RECIPES / "orz_7b.yaml", ["task.train_data=[HuggingFaceH4/MATH-500:test]", "task.eval_data=[]"])
+        "task.args.train_data=[/nonexistent/orz_math_57k_collected.json]", "task.args.eval_data=[]"]))
+    assert len(data) == 1 and "task.args.train_data" in data[0] and "/nonexistent" in data[0]
+    hub = load_config(RECIPES / "orz_7b.yaml", ["task.args.train_data=[HuggingFaceH4/MATH-500:test]",
+                                                "task.args.eval_data=[]"])
     assert missing_data(hub) == []  # a hub name is not a missing file
 
 

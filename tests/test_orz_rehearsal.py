@@ -37,8 +37,8 @@ def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path, seed):
     write_synthetic_orz(data)
     run_dir = tmp_path / "orz"
     cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(ROOT / "recipes" / "orz_cpu.yaml"),
-           f"run_dir={run_dir}", f"seed={seed}", f"task.train_data=[{data}/train.json]",
-           f"task.eval_data=[{data}/eval/add.json,{data}/eval/sub.json,{data}/eval/choice.json]",
+           f"run_dir={run_dir}", f"seed={seed}", f"task.args.train_data=[{data}/train.json]",
+           f"task.args.eval_data=[{data}/eval/add.json,{data}/eval/sub.json,{data}/eval/choice.json]",
            # the recipe's 150 steps shortened to 80 (the cosine schedule with them): the reward has risen by then
            "trainer.max_steps=80", "trainer.eval_every=40",
            # half the recipe's warm-up steps of half its batch, which was most of the test's time: enough for the

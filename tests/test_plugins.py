@@ -127,16 +127,16 @@ def test_a_reward_rule_from_outside_scores_the_math_task_in_the_workers(tmp_path
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     cfg = load_config(None, [f"run_dir={tmp_path}", "model.path=unused", "task.name=math",
-                             f"task.train_data=[{data}]", "task.reward=outside_rule:score_length"])
+                             f"task.args.train_data=[{data}]", "task.args.reward=outside_rule:score_length"])
     task = task_from_config(cfg.task)
     problem = task.train_problems()[0]
     with RewardPool(1, 10.0) as pool:
         results = pool.score(task.reward_fn, [reward_item(problem, "short", "stop"),
                                               reward_item(problem, "much too long", "stop")])
     assert [r.reward for r in results] == [1.0, 0.0]
-    with pytest.raises(ConfigError, match="task.reward: must be one of math, orz, orz_exact"):
-        load_config(None, [f"run_dir={tmp_path}", "model.path=unused", "task.name=math",
-                           f"task.train_data=[{data}]", "task.reward=length"])
+    with pytest.raises(ConfigError, match="task.args: math refused .* reward must be one of math, orz, orz_exact"):
+        task_from_config(load_config(None, [f"run_dir={tmp_path}", "model.path=unused", "task.name=math",
+                                            f"task.args.train_data=[{data}]", "task.args.reward=length"]).task)
 
 
 def test_registries_own_the_names_the_config_accepts():

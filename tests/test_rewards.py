@@ -34,7 +34,7 @@ from pipelinerl.rewards import (
     truncated_zero,
 )
 from pipelinerl.samples import Sample
-from pipelinerl.tasks import reward_item
+from pipelinerl.tasks import reward_item, task_from_config
 from pipelinerl.tasks.math_data import MathTask
 
 MATH500 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "orz_eval" / "math500.json"
@@ -328,10 +328,12 @@ def test_accept_unclosed_answer_reaches_the_pool_workers(tmp_path):
         rewards = {name: [r.reward for r in pool.score(tasks[name].reward_fn, items[name])] for name in tasks}
     assert rewards == {"strict": [0.0, 1.0], "open": [1.0, 1.0], "exact_open": [1.0, 1.0]}
 
-    base = [f"run_dir={tmp_path}", "model.path=unused", "task.name=math", f"task.train_data=[{data}]"]
-    assert load_config(None, [*base, "task.accept_unclosed_answer=true"]).task.accept_unclosed_answer
-    with pytest.raises(ConfigError, match="task.accept_unclosed_answer"):
-        load_config(None, [*base, "task.accept_unclosed_answer=true", "task.reward=math"])
+    base = [f"run_dir={tmp_path}", "model.path=unused", "task.name=math", f"task.args.train_data=[{data}]"]
+    assert task_from_config(load_config(None, [*base, "task.args.accept_unclosed_answer=true"]).task
+                            ).accept_unclosed_answer
+    with pytest.raises(ConfigError, match="task.args.*accept_unclosed_answer"):
+        task_from_config(load_config(None, [*base, "task.args.accept_unclosed_answer=true",
+                                            "task.args.reward=math"]).task)
     with pytest.raises(ValueError, match="accept_unclosed_answer"):
         MathTask(train_data=[str(data)], template="boxed", accept_unclosed_answer=True)
 

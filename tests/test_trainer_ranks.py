@@ -36,7 +36,8 @@ def write_run(run_dir: Path, model_dir: Path) -> Path:
     """A run directory as the launcher leaves it for the trainer: the resolved config and one step's samples."""
     cfg = load_config(None, [
         f"run_dir={run_dir}", f"model.path={model_dir}", "model.dtype=float32",
-        "task.digits=2", "task.ops=+", f"task.num_eval={EVAL_PROBLEMS}", "task.reward_fn=helpers.slow_reward:score",
+        "task.args.digits=2", "task.args.ops=+", f"task.args.num_eval={EVAL_PROBLEMS}",
+        "task.reward_fn=helpers.slow_reward:score",
         "reward.timeout_s=30", "sampling.group_size=4", "sampling.max_new_tokens=4", "engine.max_model_len=64",
         "weight_sync.backend=gloo", "weight_sync.timeout_s=60",
         "trainer.samples_per_step=4", "trainer.micro_batch_tokens=64", "trainer.max_steps=1", "trainer.lr=1e-3",

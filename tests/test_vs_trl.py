@@ -136,7 +136,7 @@ def test_a_runs_exports_are_evaluated_after_it_at_their_steps_clocks(tmp_path):
         build_tiny_model(run_dir / "exports" / f"step_{step}", hidden_size=32, num_layers=1, seed=seed)
     curves = {"start": {"train_s": 0.0, "launch_s": 9.0},
               "steps": [{"step": s, "samples": 8, "train_s": 1.5 * s, "launch_s": 9.0 + 1.5 * s} for s in (1, 2, 3, 4)]}
-    overrides = [f"run_dir={run_dir}", f"model.path={base}", "task.num_eval=8", "trainer.eval_k=2"]
+    overrides = [f"run_dir={run_dir}", f"model.path={base}", "task.args.num_eval=8", "trainer.eval_k=2"]
     evals, seconds = evaluate_exports(TINY_RECIPE, run_dir, overrides, base, curves, threads=1)
     assert [(e["step"], e["train_s"], e["launch_s"]) for e in evals] == [(0, 0.0, 9.0), (2, 3.0, 12.0), (4, 6.0, 15.0)]
     assert all(0.0 <= e["accuracy"] <= 1.0 for e in evals) and seconds > 0

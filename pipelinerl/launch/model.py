@@ -12,6 +12,22 @@ from pipelinerl.config import ConfigError, RunConfig
 from pipelinerl.procs import run_in_child
 
 
+def _task_marker(cfg: RunConfig) -> dict:
+    """The task's part of the cached model's marker: what its warm-up data depend on. The arithmetic task's keys
+    are those the marker had before the task's settings moved under task.args, so existing caches stay valid."""
+    t = cfg.task
+    if t.name == "arithmetic":
+        from pipelinerl.tasks import task_from_config
+
+        task = task_from_config(t)
+        marker = {"name": t.name, "digits": task.digits, "ops": task.ops, "num_train": task.num_train,
+                  "seed": task.seed, "reverse": task.reverse}
+        if task.mul_digits != type(task).mul_digits:  # (absent at its default, for the same reason)
+            marker["mul_digits"] = task.mul_digits
+        return marker
+    return {"name": t.name, "seed": t.seed, "args": dict(t.args)}
+
+
 def prepare_model(cfg: RunConfig) -> Path:
     """The model the run starts from. With `model.init: tiny`, build a small model and give it the supervised
     warm-up; both are cached in `model.path` (a marker records the settings) so a rerun skips them."""
@@ -22,14 +38,9 @@ def prepare_model(cfg: RunConfig) -> Path:
     seed = cfg.seed if m.seed is None else m.seed
     settings = {"seed": seed, "hidden": m.tiny_hidden_size, "layers": m.tiny_layers,
                 "warmup_steps": m.warmup_steps, "warmup_lr": m.warmup_lr, "warmup_batch_size": m.warmup_batch_size,
-                "task": {"name": t.name, "digits": t.digits, "ops": t.ops, "num_train": t.num_train,
-                         "seed": t.seed, "reverse": t.reverse}}
-    if t.args:  # (absent without them, so existing caches stay valid)
-        settings["task"].update(name=t.name, args=dict(t.args))
+                "task": _task_marker(cfg)}
     if m.tiny_tokenizer != "char":  # (absent for the char tokenizer, so existing caches stay valid)
         settings["tokenizer"] = {"kind": m.tiny_tokenizer, "vocab_size": m.tiny_vocab_size}
-    if t.name == "math":
-        settings["task"].update(train_data=list(t.train_data), template=t.template)
     marker = path / "pipelinerl_base_model.json"
     if marker.exists() and json.loads(marker.read_text()) == settings:
         print(f"using the cached base model in {path}")

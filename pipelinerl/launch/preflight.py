@@ -16,16 +16,16 @@ def preflight(cfg: RunConfig, recipe: str, node: NodeEnv, gpus: int) -> tuple[li
     missing package or a full disk."""
     problems = missing_data(cfg) + missing_resources(cfg, recipe, node, gpus) + missing_engine(cfg, gpus)
     warnings: list[str] = []
-    if cfg.task.name not in ("arithmetic", "math"):
-        # a task from task.name/task.args is built here once, so a wrong path or argument stops the run now
-        # with the key to change, not later in the actor's log
-        from pipelinerl.tasks import check_task
+    # the task is built here once, so a wrong path or argument stops the run now with the key to change, not
+    # later in the actor's log; its problems are drawn too, except the math task's (a hub dataset is fetched by
+    # the actor; its files are checked in missing_data)
+    from pipelinerl.tasks import check_task, task_from_config
 
-        task = check_task(cfg.task)
-        budget = getattr(task, "total_time_s", None)  # the code checker's own time for one answer
-        if budget is not None and cfg.reward.timeout_s <= budget:
-            raise ConfigError(f"reward.timeout_s: {cfg.reward.timeout_s:g} s would cut off the checks of an "
-                              f"answer, which may take task.args.total_time_s {budget:g} s; set it above that")
+    task = task_from_config(cfg.task) if cfg.task.name == "math" else check_task(cfg.task)
+    budget = getattr(task, "total_time_s", None)  # the code checker's own time for one answer
+    if budget is not None and cfg.reward.timeout_s <= budget:
+        raise ConfigError(f"reward.timeout_s: {cfg.reward.timeout_s:g} s would cut off the checks of an "
+                          f"answer, which may take task.args.total_time_s {budget:g} s; set it above that")
     if node.rank == 0:
         problem, warning = run_dir_disk(cfg)
         problems += [problem] if problem else []
@@ -71,7 +71,8 @@ def missing_data(cfg: RunConfig) -> list[str]:
     from pipelinerl.data import missing_data_hint
 
     problems = []
-    for key, sources in (("task.train_data", cfg.task.train_data), ("task.eval_data", cfg.task.eval_data)):
+    for name in ("train_data", "eval_data"):
+        key, sources = f"task.args.{name}", cfg.task.args.get(name) or []
         for source in sources:
             if Path(source).exists() or not _looks_local(source):
                 continue

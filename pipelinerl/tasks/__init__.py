@@ -4,7 +4,8 @@
 A recipe names its task in `task.name`: a built-in ("arithmetic": generated "a+b=" problems for tiny models;
 "math": competition math from local files or the hub, verified with math-verify; "code": programming problems
 checked by running them in a sandbox) or any "package.module:Class" the processes can import, built with the
-`task.args` mapping as keyword arguments. A new task is therefore one file and one line of YAML:
+`task.args` mapping as keyword arguments (and `task.seed` as `seed`, when it takes one). A new task is therefore
+one file and one line of YAML:
 
     task:
       name: my_tasks.sorting:SortingTask
@@ -44,18 +45,19 @@ def task_from_config(cfg: TaskConfig) -> Task:
     `task.name`, an argument the task does not take, or a value it refuses (`task.args`)."""
     from pipelinerl.config import ConfigError
 
-    # the two original tasks keep their settings as task.* keys, so existing recipes stay valid
-    if cfg.name == "arithmetic":
-        return get_task("arithmetic", digits=cfg.digits, ops=cfg.ops, num_train=cfg.num_train,
-                        num_eval=cfg.num_eval, seed=cfg.seed, reverse=cfg.reverse)
-    if cfg.name == "math":
-        return get_task("math", train_data=list(cfg.train_data), eval_data=list(cfg.eval_data),
-                        template=cfg.template, reward=cfg.reward, accept_unclosed_answer=cfg.accept_unclosed_answer)
     try:
         factory = TASKS.get(cfg.name)
     except UnknownPlugin as e:
         raise ConfigError(f"task.name: cannot load {cfg.name!r}: {e}") from None
     args = dict(cfg.args)
+    if _takes_seed(factory):
+        if "seed" in args and cfg.seed not in (0, args["seed"]):
+            raise ConfigError(f"task.args.seed ({args['seed']}) and task.seed ({cfg.seed}) disagree; set task.seed "
+                              "alone")
+        args.setdefault("seed", cfg.seed)
+    elif cfg.seed != 0:
+        raise ConfigError(f"task.seed: {cfg.name} takes no seed (its problems do not depend on one), so "
+                          f"task.seed={cfg.seed} would have no effect; remove it")
     try:
         inspect.signature(factory).bind(**args)
     except TypeError as e:
@@ -71,6 +73,14 @@ def task_from_config(cfg: TaskConfig) -> Task:
         raise ConfigError(f"task.name: {cfg.name} built an object without {', '.join(missing)}; a task needs all "
                           "of them (see pipelinerl.tasks.base.Task)")
     return task
+
+
+def _takes_seed(factory: Callable[..., Task]) -> bool:
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+    return "seed" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def check_task(cfg: TaskConfig) -> Task:

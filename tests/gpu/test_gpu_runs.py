@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # The tiny recipe, shortened: its warm-up, then STEPS steps with a held-out evaluation before, midway and after.
 STEPS = 20
-SHORT = [f"trainer.max_steps={STEPS}", "trainer.eval_every=10", "task.num_eval=100"]
+SHORT = [f"trainer.max_steps={STEPS}", "trainer.eval_every=10", "task.args.num_eval=100"]
 
 
 def finished(result, run_dir: Path, steps: int) -> list[dict]:

@@ -54,7 +54,7 @@ def test_ppo_with_a_critic_under_zero3_on_one_gpu(tmp_path):
     write_synthetic_orz(data)
     steps, updates = 5, 12
     result = pipelinerl_run("orz_cpu.yaml", run_dir, f"trainer.max_steps={steps}", "trainer.eval_every=0",
-                            f"task.train_data=[{data}/train.json]", f"task.eval_data=[{data}/eval/add.json]",
+                            f"task.args.train_data=[{data}/train.json]", f"task.args.eval_data=[{data}/eval/add.json]",
                             "trainer.advantage=gae", f"trainer.critic.updates={updates}", "trainer.critic.lr=1e-4",
                             "trainer.gradient_checkpointing=true", "actor.dynamic_sampling=false",
                             "trainer.num_processes=1",
