@@ -1,5 +1,5 @@
 """Pluggable tasks: a dataset of prompts plus a verifier (see `base.Task`), and optionally a multi-turn
-`rollout` (see `pipelinerl.workflow`).
+`rollout` (see `pipelinerl.tasks.workflow`).
 
 A recipe names its task in `task.name`: a built-in ("arithmetic": generated "a+b=" problems for tiny models;
 "math": competition math from local files or the hub, verified with math-verify; "code": programming problems
