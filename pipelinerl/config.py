@@ -147,9 +147,10 @@ class WeightSyncConfig:
     master_address: str = "127.0.0.1"
     master_port: int = 0  # 0: the trainer picks a free port when it forms the group (engines learn it over HTTP)
     group_name: str = "weight_update"
-    # 0: one broadcast per tensor. 4 MB measured fastest on CPU/gloo (bench/trainer_weight_sync.py): tensors of
-    # that size or more go out alone, with no packing copy, and the small ones are still grouped. A run config's
-    # is unset (RunConfig.weight_sync): 4, or 0 for engine.kind sglang, which receives one tensor per broadcast.
+    # 0: one broadcast per tensor. 4 MB: tensors of that size or more go out alone, with no packing copy, and the
+    # small ones are still grouped (docs/benchmarks.md, section "Weight sync through the trainer's path"). A run
+    # config's is unset (RunConfig.weight_sync): 4, or 0 for engine.kind sglang, which receives one tensor per
+    # broadcast.
     bucket_mb: Optional[float] = 4.0  # noqa: UP045 (omegaconf needs Optional, not `float | None`)
     timeout_s: float = 120.0
     # SGLang holds every tensor of one update call on its GPU at once, so its front splits an update into calls
@@ -309,8 +310,9 @@ class TrainerConfig:
     gradient_checkpointing: bool = False
     # how a CPU trainer multiplies its float32 linear layers (forward and backward): auto | blas | onednn. auto
     # times both kernels on the model's weight shapes at start-up and takes oneDNN where it is faster: torch's
-    # BLAS (MKL) runs AVX2 code on AMD CPUs, where oneDNN's AVX-512 kernels made a step 1.67x faster on a Zen 5
-    # EPYC (docs/benchmarks.md). Sharded (ZeRO-3, FSDP) and GPU trainers always use torch's own path.
+    # BLAS (MKL) runs AVX2 code on AMD CPUs, where oneDNN's AVX-512 kernels make a step faster (docs/benchmarks.md,
+    # section "The trainer's matmuls through oneDNN"). Sharded (ZeRO-3, FSDP) and GPU trainers always use torch's
+    # own path.
     linear_kernel: str = "auto"
     # a group's samples in one micro-batch share their prompt where that costs less: the prompt goes through the
     # model once, its completions after it under a mask (sdpa, eager; never with flash-attention or a critic). The

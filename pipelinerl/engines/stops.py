@@ -98,7 +98,7 @@ _SLIDE = 8
 
 def _fast_decoder(tokenizer) -> Callable[[Sequence[int]], str] | None:
     """`tokenizer.decode(ids, skip_special_tokens=True)` straight from the `tokenizers` backend, where that is all
-    transformers does (its own decode and _decode, no clean-up of spaces): 2x faster on the short windows the
+    transformers does (its own decode and _decode, no clean-up of spaces): faster on the short windows the
     engine decodes, where transformers' Python layers are most of the time."""
     try:
         from transformers import TokenizersBackend

@@ -1,9 +1,9 @@
 """The trainer's float32 linear layers through oneDNN on CPUs where oneDNN multiplies faster than BLAS.
 
 On a CPU, torch multiplies a float32 `nn.Linear` (forward and backward) with its BLAS, MKL in the x86 wheels. MKL
-picks its kernels by CPU vendor: on AMD CPUs it runs AVX2 code. On 2 cores of a Zen 5 EPYC it ran a training step's
-products at 181-227 GFLOP/s, where oneDNN, which torch also ships and which picks kernels by instruction set, ran
-them at 305-511 GFLOP/s (docs/benchmarks.md, "The trainer's matmuls through oneDNN"). On Intel CPUs MKL runs its
+picks its kernels by CPU vendor: on AMD CPUs it runs AVX2 code, where oneDNN, which torch also ships and which picks
+kernels by instruction set, runs AVX-512 code and multiplies a training step's products faster (docs/benchmarks.md,
+section "The trainer's matmuls through oneDNN"; bench/linear_kernels.py). On Intel CPUs MKL runs its
 AVX-512 code and oneDNN may gain nothing (not measured). So `trainer.linear_kernel: auto` times both kernels on the
 model's own weight shapes at start-up, on the trainer's threads, and routes through oneDNN only the shapes where it
 was faster.
@@ -30,12 +30,12 @@ from pipelinerl.models.onednn import onednn_linear, onednn_works
 log = logging.getLogger(__name__)
 
 LINEAR_KERNELS = ("auto", "blas", "onednn")
-# auto leaves weights smaller than this on BLAS untimed: there the two kernels were within the timing noise (64x64:
-# oneDNN took 0.79-0.89 of BLAS's time from run to run) and a step's time is elsewhere
+# auto leaves weights smaller than this on BLAS untimed: there the two kernels are within the timing noise of each
+# other, so timing them could not choose reliably, and a step's time is elsewhere
 AUTO_MIN_ELEMENTS = 8192
 # a shape is routed through oneDNN when its forward and backward products took at most this share of BLAS's time:
-# a margin wide enough that timing noise does not flip the choice (measured shares: 0.42-0.66 on a Zen 5 EPYC for
-# shapes from 64x64 up, 0.96 at 32x32)
+# a margin wide enough that timing noise does not flip the choice, yet well above the share oneDNN takes where its
+# AVX-512 kernels win (docs/benchmarks.md, section "The trainer's matmuls through oneDNN"; bench/linear_kernels.py)
 FASTER_BY = 0.8
 # rows of the timed products: enough to be a training product, few enough that timing stays well under a second
 # for a ~100M model (a product of at most TIMED_MACS multiply-adds, at least TIMED_MIN_ROWS rows)

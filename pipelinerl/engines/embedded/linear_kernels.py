@@ -4,10 +4,11 @@ Whether each weight shape is multiplied through a copy stored transposed (so tha
 operand; see "weights stored transposed" in slot_runner.py) or packed in oneDNN's blocked layout (packed.py), and
 which kernel multiplies it for how many rows (`F.linear`, i.e. BLAS, or oneDNN's `_linear_pointwise`; with a
 packed copy, oneDNN on the copy or either kernel on the weight as stored) are timed once when the runner is built
-(`LinearKernels.timed`), since the winner depends on the CPU: oneDNN was 1.3-2x faster than BLAS from
-32 x 256 x 1024 up on an AMD EPYC, and 1.1-1.7x faster again with packed weights from about 4 rows up at
-0.1-0.5B-parameter shapes (one row reads faster from a weight as stored); on an Intel Xeon BLAS was faster below
-32 x 1024 x 1024 (~20 us less fixed cost per call) and the transposed copies 1.2-2x faster still at decode sizes.
+(`LinearKernels.timed`), since the winner depends on the CPU: on AMD CPUs, where torch's BLAS (MKL) runs AVX2 code,
+oneDNN beats BLAS from mid-sized products up, and beats it again with packed weights from a few rows up (one row
+reads faster from a weight as stored); on Intel CPUs BLAS wins the smaller products (less fixed cost per call) and
+the transposed copies win at decode sizes (docs/benchmarks.md, sections "The engine at 20M, 100M and 494M
+parameters" and "Embedded engine decode"; bench/engine_scale.py, bench/engine_decode.py).
 oneDNN is slow at one row, so a packed weight may keep a transposed copy as well, for single-sequence decoding
 (`SECOND_COPY_MIN_GAIN`, `SECOND_COPIES_MAX_BYTES`). PIPELINERL_ONEDNN=0 leaves oneDNN out (`onednn_usable`),
 PIPELINERL_PACKED_WEIGHTS=0 the packed copies (`PackedLayout.of`).
@@ -32,10 +33,10 @@ from pipelinerl.models.onednn import onednn_works
 TIMED_MAX_ROWS = 256
 # Products of at least this many multiply-adds are not timed and use oneDNN (on the packed copy, where the shape
 # has one). Products from TIMED_FEW_MACS up are timed with TIMED_FEW_REPEATS repeats, from TIMED_ONCE_MACS up
-# with one (each call takes milliseconds: all of it took ~10 s for a 0.5B-parameter Qwen2 here), and BLAS only
-# for up to TIMED_BLAS_MAX_ROWS rows: above that, oneDNN was never measured slower, on any shape (and oneDNN's
-# packed layout never slower than the others from 16 rows of 0.1-0.5B-parameter shapes up), yet where
-# the packed layout pays most is on large products at many rows, so those are timed.
+# with one (each call takes milliseconds, and a large model has many shapes), and BLAS only for up to
+# TIMED_BLAS_MAX_ROWS rows: above that, BLAS has not been seen to beat oneDNN on any shape (nor another layout
+# oneDNN's packed one, from 16 rows of 0.1-0.5B-parameter shapes up), yet where the packed layout pays most is on
+# large products at many rows, so those are timed.
 TIMED_MAX_MACS = 1 << 33
 TIMED_FEW_MACS = 1 << 25
 TIMED_ONCE_MACS = 1 << 30
@@ -49,8 +50,8 @@ TIMED_MAX_COPIES = 8
 # A weight shape gets transposed (or packed) copies when that makes its linears at least this much faster.
 TRANSPOSED_MIN_GAIN = 0.05
 # A packed shape also keeps transposed copies, for one row (what decoding a single sequence multiplies), when
-# those make one row at least this much faster (oneDNN is slow at one row: BLAS on a transposed copy was 1.5-2x
-# faster there at 20M-parameter shapes), as long as all such second copies fit in SECOND_COPIES_MAX_BYTES.
+# those make one row at least this much faster (oneDNN is slow at one row: BLAS on a transposed copy beats it
+# there at 20M-parameter shapes), as long as all such second copies fit in SECOND_COPIES_MAX_BYTES.
 SECOND_COPY_MIN_GAIN = 0.1
 SECOND_COPIES_MAX_BYTES = 1 << 30
 

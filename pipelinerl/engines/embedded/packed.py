@@ -1,16 +1,16 @@
 """Copies of weight matrices in oneDNN's own blocked layout, in memory that any process can write.
 
 oneDNN multiplies fastest by a weight reordered into the layout its kernel reads (vLLM's CPU build multiplies by
-such prepacked weights): on an AMD EPYC with AVX-512, 1.1-1.7x faster than by the same weight stored as is or
-transposed, from about 4 rows up, on the shapes of a 0.5B-parameter Qwen2 (the larger the weight, the more it
-gains). torch hands such weights out only as opaque MKLDNN tensors in memory of their own, which a weight update
-could not be received into, nor the receiving process (receiving_process.py) write. For float32 on AVX-512 CPUs that
-layout (`AB16b64a`) is plain panels: the weight [out, in] cut into blocks of 64 output rows, each block stored
-transposed, [out / 64, in, 64]. So the engine keeps such panels as an ordinary dense tensor (`packed_copier`
-fills one from a weight in one torch copy) and multiplies by an MKLDNN tensor that views the same memory
-(`PackedLayout.view`), made through torch's C shim for ahead-of-time compiled models
-(`aoti_torch_create_tensor_from_blob_v2`, which is how those models load prepacked weights). An update writes
-the panels; the view sees it.
+such prepacked weights): on AVX-512 CPUs, faster than by the same weight stored as is or transposed, from a few rows
+up, on the shapes of a 0.5B-parameter Qwen2, the more so the larger the weight (docs/benchmarks.md, section "The
+engine at 20M, 100M and 494M parameters"). torch hands such weights out only as opaque MKLDNN tensors in memory of
+their own, which a weight update could not be received into, nor the receiving process (receiving_process.py) write.
+For float32 on AVX-512 CPUs that layout (`AB16b64a`) is plain panels: the weight [out, in] cut into blocks of 64
+output rows, each block stored transposed, [out / 64, in, 64]. So the engine keeps such panels as an ordinary dense
+tensor (`packed_copier` fills one from a weight in one torch copy) and multiplies by an MKLDNN tensor that views the
+same memory (`PackedLayout.view`), made through torch's C shim for ahead-of-time compiled models
+(`aoti_torch_create_tensor_from_blob_v2`, which is how those models load prepacked weights). An update writes the
+panels; the view sees it.
 
 Everything is checked on the machine before it is used (`PackedLayout.of`): the shim is there, torch's own
 reorder of a weight of that shape gives exactly these panels, and a product through the view equals F.linear.
@@ -40,7 +40,7 @@ def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
 def packed_copier(w: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Callable[[], None]]:
     """(panels of w, not yet filled; a function that fills them with w's values as they are when it is called):
     as transpose.py's `transposed_copier`, into `out` (earlier panels of a weight like w) when given. One torch
-    copy (3 GB/s here, where MKL's transpose of each panel in turn was 1 GB/s)."""
+    copy, which is faster than MKL's transpose of each panel in turn."""
     shape = packed_shape(*w.shape)
     if out is None or (out.shape, out.dtype, out.device) != (shape, w.dtype, w.device) or not out.is_contiguous():
         out = torch.empty(shape, dtype=w.dtype, device=w.device)

@@ -29,7 +29,8 @@ def load_model(path: str, dtype: str = "float32", device: str | None = None):
 
 def build_app(args: argparse.Namespace):
     # torch is imported here, not with the module: `pipelinerl run` builds its parser (and so imports this module)
-    # before it starts any role, and torch's import (1.6 s on 2 cores) delayed every role's start by as much
+    # before it starts any role, and torch's import, seconds on a small machine, delayed every role's start by as
+    # much (docs/benchmarks.md, section "Start-up")
     import torch
 
     from pipelinerl.contracts.routes import create_app
@@ -40,8 +41,8 @@ def build_app(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     # The decoding thread lets go of the GIL inside every torch op and must win it back after each one; when
     # the HTTP or weight-receiving threads are running Python, it waits up to the switch interval (5 ms by
-    # default). A short one gives it back sooner: the decoding thread kept 0.961-0.962 of its core while
-    # updates arrived back to back, 0.973-0.976 with this (bench/engine_updates.py, 2+ runs each).
+    # default). A short one gives it back sooner, so the decoding thread keeps more of its core while updates
+    # arrive back to back (bench/engine_updates.py measures it).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         decode_cpus = parse_cpu_list(args.decode_cpus) if args.decode_cpus else None

@@ -55,8 +55,7 @@ def keep_freed_memory() -> bool:
     Every forward allocates its activations afresh (the CPU allocator does not cache). With glibc's defaults,
     blocks from 128 KiB up are mmapped per allocation, and freed heap tops are trimmed back to the kernel
     (in the engine thread's arena, after every batched prefill), so the next forward faults every page in
-    again: about 1500 page faults of 2.5-3.5 us each per 32-prompt prefill of the tiny model here, 6-8% of a
-    batch. Returns whether the settings took (False off glibc)."""
+    again, a visible share of a small model's batched prefill. Returns whether the settings took (False off glibc)."""
     import ctypes
     import ctypes.util
 
@@ -207,7 +206,7 @@ class SlotRunner:
                 kernels.transposed = set(kernels.use_onednn) if transposed == "all" else set()
             self._relayout_slots(kernels)
             self.use_weights(self.transposed_weights())
-            if kernels.any_onednn:  # else F.linear itself: no lookup per call (~2.5 us each)
+            if kernels.any_onednn:  # else F.linear itself: no lookup per call
                 self.linear = kernels
         self.linear_kernels = kernels.summary() if kernels is not None else "blas (F.linear), untimed"
         self.manual_attention = self.device.type == "cpu"
@@ -255,8 +254,8 @@ class SlotRunner:
         weight), and each copy's layout. A weight with both a packed and a transposed copy has two slots: the
         transposed copy's holder is the `_RowsOperand` of the packed one. A head tied to the embedding gets
         copies like any weight of its shape, while the embedding's lookups go on reading the live weight row by
-        row (`_embed_w`). One row at a time its copy matters most: a [vocab, hidden] head as stored ran at 8.5
-        GB/s, its transposed copy at 29 (32768 x 256, 1 thread, EPYC), a third of a 20M model's decode step."""
+        row (`_embed_w`). One row at a time its copy matters most: a [vocab, hidden] head streams from memory
+        faster as its transposed copy than as stored, and at small models it is a large share of a decode step."""
         for holder, attr, w, _ in self._linears():
             key = (w.shape[0], w.shape[1])
             transposed = key in kernels.transposed
@@ -362,7 +361,7 @@ class SlotRunner:
         """One flat KV cache tensor per layer (`_kv_flat`); `keys[layer]` and `values[layer]` are views of it,
         [slots, kv_heads, max_len, head_dim]. With `keys_transposed` the keys are stored as
         [..., head_dim, max_len], so that on CPU the attention scores are a plain matmul of the queries with
-        the stored keys (measured 1.3-2x faster than against keys stored position by position). Either way
+        the stored keys, faster than against keys stored position by position. Either way
         (slot, kv head) merge into one batch dimension for the attention's batched matmuls without a copy,
         and a decode step writes every token's k and v of a layer with one `put_` at precomputed offsets."""
         slots, kv, length, d = self.num_slots, self.num_kv_heads, self.max_len, self.head_dim
@@ -399,8 +398,8 @@ class SlotRunner:
             return norm.module(x)
         if self.device.type != "cpu":
             return F.rms_norm(x, norm.shape, norm.weight, norm.eps)
-        # x * rsqrt(mean(x^2) + eps) * w in five ops: on CPU F.rms_norm runs as about ten (measured 30% slower
-        # at decode sizes, 7% of a tiny model's whole decode step)
+        # x * rsqrt(mean(x^2) + eps) * w in five ops: on CPU F.rms_norm runs as about ten, slower at decode sizes,
+        # where the norms are a visible share of a tiny model's whole decode step
         r = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return torch.mul(x, torch.addcmul(norm.eps_t, r, r, value=1 / norm.shape[0]).rsqrt_()).mul_(norm.weight)
 
@@ -418,8 +417,8 @@ class SlotRunner:
 
     def _linear_add(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                     residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ w.T (+ b), added in place into the matmul's fresh output (measured as fast as or
-        faster than addmm and oneDNN's fused add post-op at decode sizes)."""
+        """residual + x @ w.T (+ b), added in place into the matmul's fresh output (no slower than addmm
+        or oneDNN's fused add post-op at decode sizes)."""
         return self.linear(x, w, b).add_(residual)
 
     def _mlp_residual(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
@@ -542,7 +541,7 @@ class SlotRunner:
                                                  scale=self.scaling)
             return out.reshape(b, -1)
         # On CPU two batched matmuls beat scaled_dot_product_attention's kernel at decode shapes (one query
-        # row per head group): measured 15-30% faster for 32 sequences of 20-500 tokens.
+        # row per head group).
         q = q.reshape(b * kv, group, d)
         keys_t, values = self._keys_t_heads[li][:b * kv, :, :upto], self._v_heads[li][:b * kv, :upto]
         bias, beta = (self._no_bias, 0.0) if mask is None else (mask, 1.0)

