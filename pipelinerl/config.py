@@ -595,7 +595,7 @@ LEGACY_TASK_KEYS = ("digits", "ops", "reverse", "num_train", "num_eval", "train_
 
 def _lift_legacy_task_keys(loaded: DictConfig, source: str) -> None:
     """Move `task.<key>` of LEGACY_TASK_KEYS into `task.args.<key>` (in place), warning once per key."""
-    task = loaded.get("task") if "task" in loaded else None
+    task = loaded.get("task")
     if not isinstance(task, DictConfig):
         return
     moved = [key for key in LEGACY_TASK_KEYS if key in task]
@@ -718,6 +718,9 @@ def _engine_kind(name: str):
 
 def _merge(base: DictConfig, other: DictConfig, source: str) -> DictConfig:
     _lift_legacy_task_keys(other, source)
+    task = other.get("task")
+    if isinstance(task, DictConfig) and "task" in base and task.get("name", base.task.name) != base.task.name:
+        base.task.args = {}  # a task named over another starts from its own settings, not the other's
     try:
         return OmegaConf.merge(base, other)
     except OmegaConfBaseException as e:

@@ -222,6 +222,14 @@ def test_the_task_keys_of_the_last_release_are_read_as_task_args_with_a_warning(
     assert (task.digits, task.reverse, task.ops) == (2, True, "+-")
 
 
+def test_a_task_named_over_a_recipes_task_does_not_inherit_its_args(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run_dir: a\nmodel: {path: m}\ntask:\n  name: arithmetic\n  args: {digits: 2}\n")
+    cfg = load_config(recipe, ["task.name=math", "task.args.train_data=[x.json]"])
+    assert cfg.task.args == {"train_data": ["x.json"]}
+    assert load_config(recipe, ["task.name=arithmetic", "task.args.ops=+"]).task.args == {"digits": 2, "ops": "+"}
+
+
 def test_task_seed_reaches_a_task_that_takes_one_and_is_refused_where_it_would_do_nothing(tmp_path):
     assert task_from_config(TaskConfig(seed=7)).seed == 7
     assert task_from_config(TaskConfig(args={"seed": 7})).seed == 7
