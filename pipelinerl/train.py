@@ -345,6 +345,7 @@ def _train(cfg: RunConfig, engines: str, stop: StopSignals, trainer: TrainerBack
             run.evaluate_when_due()
             # the main process pushed the weights to the engines (and maybe evaluated) alone
             trainer.barrier(f"step {trainer.version}'s weight push and held-out evaluation")
+            run.last = time.monotonic()  # the next step's rates count from here
             stopped = run.save_when_due()
             if stopped:
                 break
@@ -524,7 +525,6 @@ class TrainingRun:
 
     def save_when_due(self) -> bool:
         """Save a periodic checkpoint when one is due; whether to stop now (agreed by every trainer process)."""
-        self.last = time.monotonic()
         save_now, stopped = self.checkpoints.decide(self.stop.requested)
         if save_now and not stopped:
             self.checkpoints.save(self.step_position, periodic=True)

@@ -50,7 +50,12 @@ def task_from_config(cfg: TaskConfig) -> Task:
     except UnknownPlugin as e:
         raise ConfigError(f"task.name: cannot load {cfg.name!r}: {e}") from None
     args = dict(cfg.args)
-    if _takes_seed(factory):
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call says what is wrong
+        signature = None
+    parameters = signature.parameters.values() if signature else ()
+    if any(p.name == "seed" or p.kind is p.VAR_KEYWORD for p in parameters):
         if "seed" in args and cfg.seed not in (0, args["seed"]):
             raise ConfigError(f"task.args.seed ({args['seed']}) and task.seed ({cfg.seed}) disagree; set task.seed "
                               "alone")
@@ -58,12 +63,11 @@ def task_from_config(cfg: TaskConfig) -> Task:
     elif cfg.seed != 0:
         raise ConfigError(f"task.seed: {cfg.name} takes no seed (its problems do not depend on one), so "
                           f"task.seed={cfg.seed} would have no effect; remove it")
-    try:
-        inspect.signature(factory).bind(**args)
-    except TypeError as e:
-        raise ConfigError(f"task.args: {cfg.name} does not take these arguments: {e}") from None
-    except ValueError:  # no signature to read (a builtin): let the call say
-        pass
+    if signature is not None:
+        try:
+            signature.bind(**args)
+        except TypeError as e:
+            raise ConfigError(f"task.args: {cfg.name} does not take these arguments: {e}") from None
     try:
         task = factory(**args)
     except (TypeError, ValueError) as e:
@@ -73,14 +77,6 @@ def task_from_config(cfg: TaskConfig) -> Task:
         raise ConfigError(f"task.name: {cfg.name} built an object without {', '.join(missing)}; a task needs all "
                           "of them (see pipelinerl.tasks.base.Task)")
     return task
-
-
-def _takes_seed(factory: Callable[..., Task]) -> bool:
-    try:
-        parameters = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # no signature to read
-        return False
-    return "seed" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def check_task(cfg: TaskConfig) -> Task:
