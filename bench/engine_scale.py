@@ -166,7 +166,7 @@ def measure_size(path: Path, size: str, new_tokens: int, rounds: int, servers: b
                     "e2e_tokens_per_s": {}, "first_token_seconds": {}, "wall_seconds": {},
                     "load_average_1m": {}} for batch in BATCHES}
     if servers:
-        # one after the other: the embedded engine times its matmul kernels as it starts (model_runner.py's
+        # one after the other: the embedded engine times its matmul kernels as it starts (linear_kernels.py's
         # LinearKernels), which vLLM's start-up beside it would disturb (a server started beside vLLM's decoded
         # 100M-parameter batches of 32 at 0.63x the speed of one started alone, once)
         started = {}

@@ -293,7 +293,7 @@ def test_unreachable_hub_carries_on_without_aime2025(synthetic, tmp_path, capsys
     assert rc == 0, stderr
     assert (out / "train.json").exists() and not (out / "eval" / "aime2025.json").exists()
     assert "could not get AIME 2025 from 'org/aime'" in stderr and "Carrying on without AIME 2025" in stderr
-    assert "task.eval_data" in stderr
+    assert "task.args.eval_data" in stderr
     rc, stdout, _ = run(["--out", str(out), "--check"], capsys)
     assert rc == 1 and "missing  eval/aime2025.json" in stdout
 
@@ -307,7 +307,7 @@ def test_missing_data_hint_names_the_command_for_orz_paths_only():
         "fetch it with `pipelinerl data orz --out /big/disk/orz`")
     aime25 = missing_data_hint("data/orz/eval/aime2025.json")
     assert aime25 is not None and "`pipelinerl data orz`" in aime25 and "Hugging Face" in aime25
-    assert "task.eval_data" in aime25
+    assert "task.args.eval_data" in aime25
     assert missing_data_hint("data/orz/eval/other.json") is None
     assert missing_data_hint("data/mine/aime2024.json") is None  # an eval file not laid out as ORZ's
     assert missing_data_hint("HuggingFaceH4/MATH-500") is None

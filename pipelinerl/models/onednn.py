@@ -1,8 +1,8 @@
 """oneDNN's float32 linear product, which torch ships beside its BLAS, and whether it works here.
 
-Both the embedded engine (engines/embedded/model_runner.py) and the trainer (trainer/linear_kernels.py) time it
+Both the embedded engine (engines/embedded/linear_kernels.py) and the trainer (trainer/linear_kernels.py) time it
 against torch's BLAS per weight shape and use it where it is faster: MKL, torch's BLAS on x86, runs AVX2 code on
-AMD CPUs, where oneDNN's AVX-512 kernels can be twice as fast.
+AMD CPUs, where oneDNN has AVX-512 kernels (measured: docs/benchmarks.md, "The trainer's matmuls through oneDNN").
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Working set of a training micro-batch (c = compute dtype bytes: 2 under bf16, 4 
 - Without gradient checkpointing all L layers' activations are held when the loss's backward starts; with it,
   one hidden state per layer (plus the embedding and final-norm outputs: L + 2 of them, 4 B each when the fp32
   model's residual stream is fp32, else c) and one layer's full activations while it is recomputed.
-- Logits: computed `trainer.logprob_chunk_tokens` rows at a time (`rl.packing.ChunkedHeadLogprobs`), never for
+- Logits: computed `trainer.logprob_chunk_tokens` rows at a time (`trainer.forward.ChunkedHeadLogprobs`), never for
   all T tokens at once: two float32 [chunk, V] buffers in the forward plus the chunk's compute-dtype matmul output,
   one float32 buffer and its gradient in the backward; counted as 12 B per chunk row per vocabulary entry. The
   recomputed layer comes after the logits are freed, so the larger of the two counts.
