@@ -37,6 +37,7 @@ from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import is_multi_turn, reward_item, task_from_config
+from pipelinerl.tasks.base import problem_sampling
 from pipelinerl.tasks.workflow import RolloutEngine, run_episodes
 
 ENGINE_RETRY_S = 2.0  # how long an engine that could not be reached gets no requests before it is tried again
@@ -299,10 +300,11 @@ class Actor:
             return await self._episodes_and_score(problem)
         cfg = self.cfg
         prompt_ids = self.tokenizer.encode(self.task.prompt(problem))
+        max_new_tokens, stop = problem_sampling(problem, cfg.sampling.max_new_tokens, list(cfg.sampling.stop))
         t0 = time.monotonic()
         req = GenerateRequest(prompt_token_ids=prompt_ids, sampling=SamplingParams(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-            max_new_tokens=cfg.sampling.max_new_tokens, n=cfg.sampling.group_size, stop=list(cfg.sampling.stop)))
+            max_new_tokens=max_new_tokens, n=cfg.sampling.group_size, stop=stop))
         resp = await self._generate_on_a_live_engine(req)
         t_gen = time.monotonic() - t0
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in resp.completions]
@@ -312,7 +314,8 @@ class Actor:
         # unique across the run: a restarted actor counts from 0 again, under a new launch id
         group_id = f"{problem.get('id', 'p')}-{self.launch_id}-{self.counts['groups_started']}"
         return [self._sample(group_id, prompt_ids, c.token_ids, c.logprobs, c.versions, c.finish_reason, r,
-                             {"generate_s": t_gen, "reward_s": t_reward}, domain=problem.get("domain", ""))
+                             {"generate_s": t_gen, "reward_s": t_reward}, max_len=max_new_tokens,
+                             domain=problem.get("domain", ""))
                 for c, r in zip(resp.completions, results)]
 
     async def _episodes_and_score(self, problem: dict) -> list[Sample]:

@@ -560,9 +560,9 @@ class ResourcesConfig:
 
 @dataclass
 class TaskConfig:
-    # a registered task (arithmetic | math | code | counting | reasoning_gym | mix ..., see pipelinerl.tasks and
-    # docs/configuration.md "Tasks and domains") or your own as "package.module:Class" (any callable returning a
-    # task): a new task is one file, no registry
+    # a registered task (arithmetic | math | code | counting | reasoning_gym | ifeval | mix ..., see
+    # pipelinerl.tasks and docs/configuration.md "Tasks and domains") or your own as "package.module:Class" (any
+    # callable returning a task): a new task is one file, no registry
     name: str = "arithmetic"
     # the task's own settings, passed to it as keyword arguments; each task's docstring lists them. Arithmetic:
     # digits, ops, reverse, num_train, num_eval, mul_digits. Math: train_data, eval_data (local JSON/JSONL files in

@@ -25,6 +25,7 @@ from pipelinerl.contracts.inference import GenerateRequest, GenerateResponse, Sa
 from pipelinerl.engines.client import AsyncEngineClient
 from pipelinerl.rewards import RewardPool
 from pipelinerl.tasks import Task, is_multi_turn, reward_item
+from pipelinerl.tasks.base import problem_sampling
 from pipelinerl.tasks.workflow import RolloutEngine, run_episodes
 
 
@@ -74,6 +75,9 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
     # Gym's generators), one benchmark per domain.
     sources = list(dict.fromkeys(benchmark_of(p, task) for p in problems))
     names = benchmark_names(sources)
+    # a task's own held-out numbers beyond avg@k (IFEval's prompt and instruction levels): the reward parts they sum
+    ratios = dict(getattr(task, "eval_ratios", None) or {})
+    ratio_parts = sorted({part for pair in ratios.values() for part in pair if part})
 
     async def generate(req: GenerateRequest) -> GenerateResponse:
         while True:  # an engine that cannot be reached is left out of this evaluation (a restarted one
@@ -88,8 +92,9 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
 
     async def one(index: int, problem: dict) -> dict:
         # Seeded per problem, so evaluations of different checkpoints draw comparable samples.
+        own_max_new_tokens, own_stop = problem_sampling(problem, max_new_tokens, stop)  # a mix domain's own
         sampling = SamplingParams(temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k,
-                                  max_new_tokens=max_new_tokens, n=n, stop=stop,
+                                  max_new_tokens=own_max_new_tokens, n=n, stop=own_stop,
                                   seed=None if seed is None else seed + 1000 * index)
         async with sem:
             if is_multi_turn(task):  # a multi-turn task: n episodes of its own loop (pipelinerl.tasks.workflow)
@@ -107,17 +112,22 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
                                                           for t, (_, finish, _, extra) in zip(texts, outputs)])
         correct = [float(r.parts.get("correct", r.reward > 0)) for r in results]
         versions = [v for v in outputs[0][2] if v >= 0]
-        return {"id": problem.get("id"), "benchmark": names[benchmark_of(problem, task)],
-                "correct": correct, "tokens": [len(ids) for ids, _, _, _ in outputs],
-                "truncated": [finish == "length" for _, finish, _, _ in outputs], "sample": texts[0][:200],
-                "version": versions[0] if versions else None}
+        row = {"id": problem.get("id"), "benchmark": names[benchmark_of(problem, task)],
+               "correct": correct, "tokens": [len(ids) for ids, _, _, _ in outputs],
+               "truncated": [finish == "length" for _, finish, _, _ in outputs], "sample": texts[0][:200],
+               "version": versions[0] if versions else None}
+        parts = {part: sum(r.parts[part] for r in results) for part in ratio_parts
+                 if all(part in r.parts for r in results)}
+        if parts:  # summed over the n samples; a sample its verifier could not score leaves the row without them
+            row["parts"] = parts
+        return row
 
     try:
         rows = await asyncio.gather(*(one(i, p) for i, p in enumerate(problems)))
     finally:
         for e in engines:
             await e.aclose()
-    result = summarize(rows, n)
+    result = summarize(rows, n, ratios)
     result["settings"] = {"k": n, "greedy": greedy, "temperature": 0.0 if greedy else temperature, "top_p": top_p,
                           "top_k": top_k, "max_new_tokens": max_new_tokens, "stop": stop, "seed": seed}
     return result
@@ -132,10 +142,14 @@ def _scores(rows: list[dict], n: int) -> dict:
     return scores
 
 
-def summarize(rows: list[dict], n: int) -> dict:
+def summarize(rows: list[dict], n: int, ratios: dict[str, tuple[str, str | None]] | None = None) -> dict:
     """Per benchmark (rows grouped by "benchmark", in order of appearance): avg@n = the mean over its problems of
     the fraction of n samples correct (pass@1 estimated from n samples, ORZ's "averaged over 16 responses"), and
-    pass@j for j in 1, 2, 4, ... n. The summary holds the unweighted mean of each over benchmarks."""
+    pass@j for j in 1, 2, 4, ... n. The summary holds the unweighted mean of each over benchmarks.
+
+    `ratios` (a task's `eval_ratios`): name -> (numerator part, denominator part or None for one per sample); each
+    is sum(numerator) / sum(denominator) over a benchmark's samples, reported for a benchmark whose every row has
+    those parts (IFEval's instruction level pools its instructions this way)."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(r.get("benchmark", "all"), []).append(r)
@@ -146,11 +160,25 @@ def summarize(rows: list[dict], n: int) -> dict:
         if tokens:  # ORZ's curves show output length next to accuracy
             entry["mean_output_tokens"] = sum(tokens) / len(tokens)
             entry["truncated"] = sum(x for r in group for x in r.get("truncated", [])) / len(tokens)
+        own = _ratios(group, n, ratios or {})
+        if own:
+            entry.update(own, ratios=list(own))
         benchmarks.append(entry)
     keys = list(_scores([], n))
     mean = {key: sum(b[key] for b in benchmarks) / max(1, len(benchmarks)) for key in keys}
     summary = {"problems": len(rows), "benchmarks": len(benchmarks), "samples_per_problem": n, **mean}
     return {"summary": summary, "benchmarks": benchmarks, "rows": rows}
+
+
+def _ratios(group: list[dict], n: int, ratios: dict[str, tuple[str, str | None]]) -> dict[str, float]:
+    out = {}
+    for name, (numerator, denominator) in ratios.items():
+        needed = [numerator] + ([denominator] if denominator else [])
+        if not group or not all(p in r.get("parts", {}) for r in group for p in needed):
+            continue
+        total = sum(r["parts"][denominator] for r in group) if denominator else n * len(group)
+        out[name] = sum(r["parts"][numerator] for r in group) / total if total else 0.0
+    return out
 
 
 def metrics_row(result: dict) -> dict:
@@ -163,6 +191,8 @@ def metrics_row(result: dict) -> dict:
     for b in result.get("benchmarks", []):
         row[f"eval_{b['benchmark']}_avg@{n}"] = b[f"avg@{n}"]
         row[f"eval_{b['benchmark']}_pass@{n}"] = b[f"pass@{n}"]
+        for name in b.get("ratios", ()):
+            row[f"eval_{b['benchmark']}_{name}"] = b[name]
     return row
 
 
@@ -173,6 +203,12 @@ def markdown_table(result: dict) -> str:
     for b in result.get("benchmarks", []):
         lines.append(f"| {b['benchmark']} | {b['problems']} | {n} | {b[f'avg@{n}']:.4f} | {b[f'pass@{n}']:.4f} |")
     lines.append(f"| mean | {s['problems']} | {n} | {s[f'avg@{n}']:.4f} | {s[f'pass@{n}']:.4f} |")
+    own = [b for b in result.get("benchmarks", []) if b.get("ratios")]
+    names = list(dict.fromkeys(k for b in own for k in b["ratios"]))
+    if own:  # the task's own numbers (IFEval's strict and loose levels), a table of their own
+        lines += ["", "| benchmark | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+        lines += [f"| {b['benchmark']} | " + " | ".join(f"{b[k]:.4f}" if k in b else "" for k in names) + " |"
+                  for b in own]
     notes = [f"avg@{n}: the fraction of the {n} samples per problem that are correct, averaged over problems; "
              "mean: unweighted over benchmarks."]
     settings = result.get("settings")

@@ -123,6 +123,7 @@ TASKS: Registry[Callable[..., Any]] = Registry("task", {
     "code": "pipelinerl.tasks.code:CodeTask",
     "reasoning_gym": "pipelinerl.tasks.reasoning_gym:ReasoningGymTask",
     "mix": "pipelinerl.tasks.mix:MixTask",
+    "ifeval": "pipelinerl.tasks.ifeval:IFEvalTask",
 })
 
 # `task.args.reward` of the math task: a scoring function (item -> reward) the reward workers import by its path

@@ -66,7 +66,26 @@ def test_a_mix_from_a_recipe_and_its_mistakes_named(tmp_path):
         task_from_config(load_config(recipe, ["task.args.domains.legs.args.datasets=[nope]"]).task)
     with pytest.raises(ConfigError, match="domains.add.weight must be a number > 0"):
         task_from_config(load_config(recipe, ["task.args.domains.add.weight=0"]).task)
-    with pytest.raises(ConfigError, match="domains.add: takes task \\(required\\), weight and args"):
+    with pytest.raises(ConfigError, match="domains.add: takes task \\(required\\), weight, args and sampling"):
         task_from_config(load_config(recipe, ["task.args.domains.add.colour=red"]).task)
     with pytest.raises(ConfigError, match="domains.x: a mix cannot hold another mix"):
         task_from_config(load_config(recipe, ["task.args.domains.x={task: mix}"]).task)
+
+
+def test_a_domains_own_sampling_settings_and_warm_up_targets():
+    from pipelinerl.tasks.base import problem_sampling
+
+    domains = {**DOMAINS, "legs": {**DOMAINS["legs"], "sampling": {"max_new_tokens": 5, "stop": "\n"}}}
+    task = MixTask(domains)
+    legs = [p for p in task.train_problems() if p["domain"] == "legs"]
+    adds = [p for p in task.train_problems() if p["domain"] == "add"]
+    assert problem_sampling(legs[0], 64, ["</answer>"]) == (5, ["\n"])
+    assert problem_sampling(adds[0], 64, ["</answer>"]) == (64, ["</answer>"])  # the run's, where a domain has none
+    assert problem_sampling(task.eval_problems()[-1], 64, []) == (5, ["\n"])  # held out too
+    # every domain writes its own warm-up target; what its verifier scores right
+    with RewardPool(workers=1) as pool:
+        results = pool.score(task.reward_fn, [reward_item(p, task.target(p), "stop") for p in legs[:3] + adds[:3]])
+    assert all(r.reward == 1.0 for r in results)
+    for bad in ({"max_new_tokens": 0}, {"temperature": 0.5}):
+        with pytest.raises(ValueError, match="domains.legs.sampling"):
+            MixTask({**DOMAINS, "legs": {**DOMAINS["legs"], "sampling": bad}})

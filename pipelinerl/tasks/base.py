@@ -39,6 +39,17 @@ class MultiTurnTask(Task, Protocol):
     async def rollout(self, engine: RolloutEngine, problem: dict) -> Episode: ...
 
 
+# A problem's own sampling settings (a mix's domain with `sampling:`), which replace the run's `sampling.*` for it
+SAMPLING_KEY = "sampling"
+SAMPLING_OVERRIDES = ("max_new_tokens", "stop")
+
+
+def problem_sampling(problem: dict, max_new_tokens: int, stop: list[str]) -> tuple[int, list[str]]:
+    """The max_new_tokens and stop strings to sample `problem` with: its own where it has them, else the run's."""
+    own = problem.get(SAMPLING_KEY) or {}
+    return int(own.get("max_new_tokens", max_new_tokens)), list(own.get("stop", stop))
+
+
 def is_multi_turn(task: Task) -> bool:
     """Whether the actor and evaluation run the task's own `rollout` instead of one generation per attempt."""
     return isinstance(task, MultiTurnTask)

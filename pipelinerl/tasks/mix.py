@@ -7,13 +7,16 @@ a sampling weight and its own arguments.
         domains:
           arithmetic: {task: arithmetic, weight: 2, args: {digits: 2, ops: "+", reverse: true}}
           legs: {task: reasoning_gym, weight: 1, args: {datasets: [leg_counting]}}
+          constraints: {task: ifeval, weight: 1, args: {max_instructions: 1}, sampling: {max_new_tokens: 48}}
         num_train: 6000   # training problems in all, split by weight (default: the domains' own, summed)
 
 Every problem carries its domain (`problem["domain"]`), so the trainer's metrics (`domain_<name>_*`) and the
 held-out evaluation (one benchmark per domain, plus their mean) report each apart. Each domain keeps its own
 prompt and its own verifier: the mix's reward function routes a problem to its domain's scoring function inside
-the reward workers, with its domain's name on every result. Multi-turn tasks cannot be mixed yet, nor can
-sampling settings differ per domain; both are refused or left to the run's `sampling:` section.
+the reward workers, with its domain's name on every result. A domain's `sampling` (`max_new_tokens`, `stop`)
+replaces the run's for its problems, in training and in the held-out evaluation. A domain's own held-out numbers
+(IFEval's strict and loose levels) are reported for its benchmark. The supervised warm-up of a tiny model writes
+each domain's own targets (every domain's task must have them). Multi-turn tasks cannot be mixed yet.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 from pipelinerl.plugins import TASKS, import_ref
 from pipelinerl.rewards.pool import function_ref, to_result
 from pipelinerl.rewards.result import RewardResult
-from pipelinerl.tasks.base import is_multi_turn, split_by_weight
+from pipelinerl.tasks.base import SAMPLING_KEY, SAMPLING_OVERRIDES, is_multi_turn, split_by_weight
 
 REWARD_KEY = "mix_reward_fn"  # the problem key naming its domain's scoring function ("module:function")
 
@@ -45,11 +48,21 @@ class MixTask:
     def __init__(self, domains: dict[str, dict[str, Any]], num_train: int | None = None, seed: int = 0):
         if not domains:
             raise ValueError("domains must name at least one domain: {name: {task: ..., weight: ..., args: {...}}}")
-        self.tasks, self.weights, self.reward_refs = {}, {}, {}
+        self.tasks, self.weights, self.reward_refs, self.sampling = {}, {}, {}, {}
         for name, spec in domains.items():
-            unknown = set(spec) - {"task", "weight", "args"}
+            unknown = set(spec) - {"task", "weight", "args", "sampling"}
             if unknown or "task" not in spec:
-                raise ValueError(f"domains.{name}: takes task (required), weight and args, got {sorted(spec)}")
+                raise ValueError(f"domains.{name}: takes task (required), weight, args and sampling, got "
+                                 f"{sorted(spec)}")
+            sampling = dict(spec.get("sampling") or {})
+            stray = sorted(set(sampling) - set(SAMPLING_OVERRIDES))
+            if stray:
+                raise ValueError(f"domains.{name}.sampling: takes {', '.join(SAMPLING_OVERRIDES)}, got {stray}")
+            if "max_new_tokens" in sampling and (not isinstance(sampling["max_new_tokens"], int)
+                                                 or sampling["max_new_tokens"] < 1):
+                raise ValueError(f"domains.{name}.sampling.max_new_tokens must be an integer >= 1")
+            if "stop" in sampling:
+                sampling["stop"] = [sampling["stop"]] if isinstance(sampling["stop"], str) else list(sampling["stop"])
             weight = spec.get("weight", 1.0)
             if not isinstance(weight, (int, float)) or weight <= 0:
                 raise ValueError(f"domains.{name}.weight must be a number > 0, got {weight!r}")
@@ -63,14 +76,21 @@ class MixTask:
                 raise ValueError(f"domains.{name}: {spec['task']} is multi-turn, which a mix cannot hold yet")
             # "module:function", what the workers import; a lambda or method cannot reach them: said now
             self.reward_refs[name] = function_ref(task.reward_fn)
-            self.tasks[name], self.weights[name] = task, float(weight)
+            self.tasks[name], self.weights[name], self.sampling[name] = task, float(weight), sampling
         self.num_train, self.seed = num_train, seed
+        # every domain's own held-out numbers; a benchmark reports those its rows carry
+        self.eval_ratios = {k: v for task in self.tasks.values() for k, v in getattr(task, "eval_ratios", {}).items()}
+        if all(callable(getattr(task, "target", None)) for task in self.tasks.values()):
+            self.target = self._target  # the warm-up looks for `target`: only where every domain can write one
         self._train: list[dict] | None = None
         self._eval: list[dict] | None = None
 
     def _tagged(self, name: str, problem: dict, split: str, index: int) -> dict:
-        return {**problem, "id": f"{name}-{split}-{problem.get('id', index)}", "domain": name,
-                REWARD_KEY: self.reward_refs[name]}
+        tagged = {**problem, "id": f"{name}-{split}-{problem.get('id', index)}", "domain": name,
+                  REWARD_KEY: self.reward_refs[name]}
+        if self.sampling[name]:
+            tagged[SAMPLING_KEY] = self.sampling[name]
+        return tagged
 
     def train_problems(self) -> list[dict]:
         """Each domain's share of the training problems by weight, its own problems repeated where it has fewer
@@ -98,6 +118,9 @@ class MixTask:
 
     def prompt(self, problem: dict) -> str:
         return self.tasks[problem["domain"]].prompt(problem)
+
+    def _target(self, problem: dict, *args: Any) -> str:
+        return self.tasks[problem["domain"]].target(problem, *args)
 
     def domains(self) -> dict[str, float]:
         return dict(self.weights)

@@ -159,6 +159,11 @@ class ReasoningGymTask:
     def prompt(self, problem: dict) -> str:
         return PROMPTS[self.answer_format].format(question=problem["problem"])
 
+    def target(self, problem: dict, eos: str = "") -> str:
+        """The generator's own answer in the prompt's answer format (a tiny model's supervised warm-up)."""
+        answer = problem["answer"]
+        return (f" {answer}" if self.answer_format == "line" else f"<answer>{answer}</answer>") + eos
+
     def domains(self) -> dict[str, float]:
         """The generators and their weights, for per-domain reports."""
         return dict(self.weights)
