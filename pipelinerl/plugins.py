@@ -124,6 +124,7 @@ TASKS: Registry[Callable[..., Any]] = Registry("task", {
     "reasoning_gym": "pipelinerl.tasks.reasoning_gym:ReasoningGymTask",
     "mix": "pipelinerl.tasks.mix:MixTask",
     "ifeval": "pipelinerl.tasks.ifeval:IFEvalTask",
+    "multiple_choice": "pipelinerl.tasks.multiple_choice:MultipleChoiceTask",
 })
 
 # `task.args.reward` of the math task: a scoring function (item -> reward) the reward workers import by its path

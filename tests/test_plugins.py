@@ -140,7 +140,7 @@ def test_a_reward_rule_from_outside_scores_the_math_task_in_the_workers(tmp_path
 
 
 def test_registries_own_the_names_the_config_accepts():
-    assert TASKS.names() == ["arithmetic", "code", "ifeval", "math", "mix", "reasoning_gym"]
+    assert TASKS.names() == ["arithmetic", "code", "ifeval", "math", "mix", "multiple_choice", "reasoning_gym"]
     assert REWARD_RULES.names() == ["math", "orz", "orz_exact"]
     assert ENGINES.names() == ["embedded", "sglang", "vllm"]
     from pipelinerl.contracts.engine import engine_kind

@@ -111,3 +111,41 @@ def score_choice(item: dict) -> RewardResult:
     return choice_reward(problem, item["completion"], item["finish_reason"],
                          orz_rule=problem.get("reward_rule") != "math",
                          accept_unclosed_answer=accepts_unclosed(problem))
+
+
+# A stated choice in free text, the last one counting: "Answer: B", "answer is (B)", "the correct option is B."
+# A lower-case letter counts only after a colon ("answer: b"): "the answer is a bit tricky" names no option.
+_STATED = re.compile(r"(?i:answer|option|choice)\s*(?:(?i:is)\s*(?:(?i:option)\s*)?[(\[]?\s*([A-Z])"
+                     r"|[:=]\s*[(\[]?\s*([A-Za-z]))\s*[)\]]?(?![A-Za-z])")
+
+
+def extract_choice(completion: str, choices: dict[str, str]) -> tuple[str | None, str]:
+    """The option letter a free-text answer picks, in the usual forms: the last \\boxed{} (read as
+    `chosen_option` reads it); else the last stated answer ("Answer: B", "The answer is (B)", "answer: b" too);
+    else the whole reply as a letter alone or a letter with its text ("(B)", "B.", "B) 5 m/s"). Returns
+    (letter, how) or (None, why none)."""
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return chosen_option(boxed, choices)
+    stated = [(m[1] or m[2]).upper() for m in _STATED.finditer(completion)]
+    if stated:
+        letter = stated[-1]
+        return (letter, "letter") if letter in choices else (None, f"{letter} is not an option ({', '.join(choices)})")
+    text = completion.strip()
+    if text:
+        letter, how = chosen_option(text.split("\n", 1)[0], choices)
+        if letter is not None:
+            return letter, how
+    return None, "no option letter found (expected e.g. 'Answer: B', '(B)' or \\boxed{B})"
+
+
+def score_multiple_choice(item: dict) -> RewardResult:
+    """Pool entry point for the multiple_choice task: 1 when the reply picks the gold letter, in any usual form."""
+    problem = item["problem"]
+    choices = {str(k): str(v) for k, v in problem["choices"].items()}
+    letter, how = extract_choice(item["completion"], choices)
+    if letter is None:
+        return judged(False, how)
+    if letter != problem["answer"]:
+        return judged(False, f"wrong option: {letter}, expected {problem['answer']}")
+    return judged(True, "chosen by the option text" if how == "text" else "")
