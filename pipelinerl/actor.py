@@ -37,7 +37,7 @@ from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import is_multi_turn, reward_item, task_from_config
-from pipelinerl.tasks.base import problem_sampling
+from pipelinerl.tasks.base import problem_sampling, prompt_token_ids
 from pipelinerl.tasks.workflow import RolloutEngine, run_episodes
 
 ENGINE_RETRY_S = 2.0  # how long an engine that could not be reached gets no requests before it is tried again
@@ -257,8 +257,17 @@ class Actor:
         nothing right any more; a policy that solves its problems has not collapsed."""
         self.counts["samples_generated"] += len(samples)
         self.counts["samples_generated_correct"] += sum(s.correct for s in samples)
+        domain = samples[0].domain if samples else ""
+        if domain:  # a mix's (or Reasoning Gym's) domains counted apart: their accuracy and drops never blended
+            key = "".join(c if c.isalnum() else "_" for c in domain)
+            for name, value in (("samples_generated", len(samples)),
+                                ("samples_generated_correct", sum(s.correct for s in samples))):
+                self.counts[f"domain_{key}_{name}"] = self.counts.get(f"domain_{key}_{name}", 0) + value
         if self.cfg.actor.dynamic_sampling and (why := dynamic_sampling_drop(samples)) is not None:
             self.counts[f"groups_dropped_{why}"] += 1
+            if domain:
+                self.counts[f"domain_{key}_groups_dropped_{why}"] = self.counts.get(
+                    f"domain_{key}_groups_dropped_{why}", 0) + 1
             if why == "all_correct":
                 if self.cfg.actor.retire_solved and index is not None:
                     self.retired.add(index)
@@ -299,7 +308,7 @@ class Actor:
         if is_multi_turn(self.task):
             return await self._episodes_and_score(problem)
         cfg = self.cfg
-        prompt_ids = self.tokenizer.encode(self.task.prompt(problem))
+        prompt_ids = prompt_token_ids(self.tokenizer, self.task.prompt(problem), cfg.model.chat_template)
         max_new_tokens, stop = problem_sampling(problem, cfg.sampling.max_new_tokens, list(cfg.sampling.stop))
         t0 = time.monotonic()
         req = GenerateRequest(prompt_token_ids=prompt_ids, sampling=SamplingParams(

@@ -59,6 +59,10 @@ class ModelConfig:
     # the seed the tiny model is built and warmed up with; null: the run's `seed`. Set it to rerun RL with another
     # seed from the same cached base model (a changed seed would otherwise build and warm up a new one)
     seed: Optional[int] = None  # noqa: UP045 (omegaconf needs Optional)
+    # each prompt as one user turn of the tokenizer's chat template, with its generation prompt (instruction-tuned
+    # and distilled models: DeepSeek-R1-Distill's "<｜User｜>...<｜Assistant｜><think>"); false: the task's text as
+    # it is (base models, ORZ's template)
+    chat_template: bool = False
 
     def __post_init__(self) -> None:
         _check_choice(self.dtype, DTYPES, "model.dtype")

@@ -25,7 +25,7 @@ from pipelinerl.contracts.inference import GenerateRequest, GenerateResponse, Sa
 from pipelinerl.engines.client import AsyncEngineClient
 from pipelinerl.rewards import RewardPool
 from pipelinerl.tasks import Task, is_multi_turn, reward_item
-from pipelinerl.tasks.base import problem_sampling
+from pipelinerl.tasks.base import problem_sampling, prompt_token_ids
 from pipelinerl.tasks.workflow import RolloutEngine, run_episodes
 
 
@@ -62,7 +62,7 @@ def benchmark_names(sources: list[str]) -> dict[str, str]:
 async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str], tokenizer, pool: RewardPool,
                          k: int = 4, temperature: float = 1.0, max_new_tokens: int = 64, top_p: float = 1.0,
                          top_k: int = 0, stop: list[str] | None = None, concurrency: int = 64, greedy: bool = False,
-                         seed: int | None = 0, max_model_len: int = 4096) -> dict:
+                         seed: int | None = 0, max_model_len: int = 4096, chat_template: bool = False) -> dict:
     """Score k samples per problem (1 greedy sample with `greedy`); returns the summary (the mean over
     benchmarks), one entry per benchmark (problems grouped by their "source"), per-problem rows and the settings.
     A task with a `rollout` (multi-turn) runs its own loop, within `max_model_len` tokens per episode."""
@@ -104,8 +104,8 @@ async def evaluate_async(task: Task, problems: list[dict], engine_urls: list[str
                                                                                "tool_calls": e.tool_calls, **e.info})
                            for e in episodes]
             else:
-                resp = await generate(GenerateRequest(prompt_token_ids=tokenizer.encode(task.prompt(problem)),
-                                                      sampling=sampling))
+                ids = prompt_token_ids(tokenizer, task.prompt(problem), chat_template)
+                resp = await generate(GenerateRequest(prompt_token_ids=ids, sampling=sampling))
                 outputs = [(c.token_ids, c.finish_reason, c.versions, {}) for c in resp.completions]
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _, _, _ in outputs]
         results = await pool.score_async(task.reward_fn, [reward_item(problem, t, finish, **extra)
@@ -279,6 +279,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a string that ends a generation, kept in the output (repeatable); ORZ's are "
                         "'User:', 'Human:', 'Assistant:' and '</answer>'")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--chat-template", action="store_true",
+                   help="prompt as one user turn of the tokenizer's chat template (as model.chat_template)")
     p.add_argument("--out", default=None, help="directory for eval.json and eval.md, one row per benchmark (each "
                    "--data source) and their mean (default: the model directory)")
 
@@ -315,7 +317,8 @@ def main(args: argparse.Namespace) -> int:
             result = asyncio.run(evaluate_async(task, problems, urls, tokenizer, pool, k=args.k,
                                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                                 max_new_tokens=args.max_new_tokens, stop=args.stop,
-                                                greedy=args.greedy, max_model_len=args.max_model_len))
+                                                greedy=args.greedy, max_model_len=args.max_model_len,
+                                                chat_template=args.chat_template))
         result["summary"]["seconds"] = round(time.monotonic() - start, 2)
     finally:
         if proc is not None:

@@ -125,7 +125,47 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None) -> list
     benchmarks = plot_benchmarks(runs, out_dir / "eval_benchmarks.png")
     if benchmarks is not None:
         written.append(benchmarks)
+    domains = plot_domains(runs, out_dir / "domains.png")
+    if domains is not None:
+        written.append(domains)
     return written
+
+
+_DOMAIN_KEY = re.compile(r"^domain_(?P<name>.+)_(?P<metric>accuracy|reward_mean|output_tokens_mean|truncated_frac|"
+                         r"lag_mean)$")
+DOMAIN_PANELS = (("accuracy", "trained accuracy"), ("reward_mean", "reward"), ("output_tokens_mean", "output tokens"),
+                 ("truncated_frac", "truncated"), ("lag_mean", "lag (versions)"))
+
+
+def plot_domains(runs: dict[str, list[dict]], out_png: str | Path) -> Path | None:
+    """The training numbers of a run with several domains (`domain_<name>_*`), one line per domain, a row of
+    panels per run: accuracy, reward, output length, truncation and lag, never blended. None (and no file) when
+    no run has domains."""
+    per_run = {}
+    for label, rows in runs.items():
+        names = list(dict.fromkeys(m["name"] for row in rows for key in row if (m := _DOMAIN_KEY.match(key))))
+        if names:
+            per_run[label] = names
+    if not per_run:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(per_run), len(DOMAIN_PANELS), figsize=(4.2 * len(DOMAIN_PANELS), 3.4 * len(per_run)),
+                             squeeze=False)
+    for row_axes, (label, names) in zip(axes, per_run.items()):
+        for ax, (metric, title) in zip(row_axes, DOMAIN_PANELS):
+            for name in names:
+                xs, ys = _series(runs[label], [f"domain_{name}_{metric}"], "step")
+                if xs:
+                    ax.plot(xs, ys, label=name)
+            ax.set_title(f"{Path(label).name}: {title}" if len(runs) > 1 else f"{title} per domain")
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        row_axes[0].legend(fontsize="small")
+    return _save(fig, out_png)
 
 
 _BENCHMARK_KEY = re.compile(r"^eval_(?P<name>.+)_avg@(?P<k>\d+)$")

@@ -281,7 +281,9 @@ class SampleFeed:
         return None
 
 
-def batch_metrics(batch: list[Sample]) -> dict[str, float]:
+def batch_metrics(batch: list[Sample], trained_at: int | None = None) -> dict[str, float]:
+    """The batch's own numbers, overall and per domain (`domain_<name>_*`); with `trained_at` (the trainer's version
+    the batch was trained at) each domain's staleness too."""
     n = max(1, len(batch))
     row = {
         "reward_mean": sum(s.reward for s in batch) / n,
@@ -299,6 +301,8 @@ def batch_metrics(batch: list[Sample]) -> dict[str, float]:
         row[f"domain_{key}_accuracy"] = sum(s.reward_parts.get("correct", 0.0) for s in mine) / len(mine)
         row[f"domain_{key}_output_tokens_mean"] = sum(len(s.output_token_ids) for s in mine) / len(mine)
         row[f"domain_{key}_truncated_frac"] = sum(s.finish_reason == "length" for s in mine) / len(mine)
+        if trained_at is not None:
+            row[f"domain_{key}_lag_mean"] = sum(s.lag(trained_at) for s in mine) / len(mine)
     if any(s.output_mask for s in batch):  # multi-turn samples: how much the model used its tools
         row["tool_calls_mean"] = sum(s.timings.get("tool_calls", 0.0) for s in batch) / n
         row["tool_tokens_frac"] = sum(len(s.output_mask) - sum(s.output_mask) for s in batch) / max(
@@ -335,9 +339,10 @@ def _train(cfg: RunConfig, engines: str, stop: StopSignals, trainer: TrainerBack
         run.first_evaluation()
         while trainer.version < cfg.trainer.max_steps:
             batch, waited = run.take_batch()
+            trained_at = trainer.version  # each sample's lag is counted from the version it is trained at
             stats = trainer.optimizer_step(batch)
             sync, interrupted = run.publish()
-            run.record(batch, stats, waited, sync)
+            run.record(batch, stats, waited, sync, trained_at)
             if interrupted:
                 stopped = True
                 break
@@ -481,7 +486,8 @@ class TrainingRun:
             self.announce_version()
         return sync, interrupted
 
-    def record(self, batch: list[Sample], stats: dict, waited: float, sync: BroadcastStats) -> None:
+    def record(self, batch: list[Sample], stats: dict, waited: float, sync: BroadcastStats,
+               trained_at: int | None = None) -> None:
         """The step's metrics row and audit line (main process), and an export when one is due."""
         trainer, now = self.trainer, time.monotonic()
         tokens = sum(len(s.output_token_ids) for s in batch)
@@ -492,7 +498,7 @@ class TrainingRun:
                "stale_dropped": self.stale_dropped, "stream_corrupt": self.feed.reader.corrupt,
                "engines_rejoined": self.engines_rejoined, "checkpoint_failures": self.checkpoints.failures,
                "min_version_in_batch": min(s.oldest_version for s in batch),
-               **batch_metrics(batch), **stats}
+               **batch_metrics(batch, trained_at), **stats}
         self.step_position = self.position()
         every = self.cfg.trainer.export_every
         if every and (trainer.version % every == 0 or trainer.version == self.cfg.trainer.max_steps):
@@ -613,7 +619,8 @@ class HeldOutEval:
         t0 = time.monotonic()
         result = asyncio.run(evaluate_async(self.task, self.problems, self.urls, self.tokenizer, self.pool,
                                             k=t.eval_k, greedy=t.eval_greedy,
-                                            max_model_len=self.cfg.engine.max_model_len, **self.sampling(self.cfg)))
+                                            max_model_len=self.cfg.engine.max_model_len,
+                                            chat_template=self.cfg.model.chat_template, **self.sampling(self.cfg)))
         result["summary"]["seconds"] = round(time.monotonic() - t0, 2)
         write_results(result, Path(self.cfg.run_dir) / "eval", f"step_{step:06d}")
         row = metrics_row(result)

@@ -53,6 +53,9 @@ def test_each_domains_numbers_are_logged_apart():
     assert row["domain_leg_counting_accuracy"] == 1.0 and row["domain_leg_counting_samples"] == 1
     assert row["reward_mean"] == pytest.approx(2 / 3)
     assert not any(k.startswith("domain_") for k in batch_metrics([sample("", 1.0, 1)]))  # one-domain tasks
+    stale = sample("legs", 1.0, 2).model_copy(update={"versions": [1, 2]})
+    row = batch_metrics([sample("add", 1.0, 2), stale], trained_at=3)  # lag from each sample's first token
+    assert row["domain_add_lag_mean"] == 3 and row["domain_legs_lag_mean"] == 2
 
 
 def test_a_mix_from_a_recipe_and_its_mistakes_named(tmp_path):

@@ -60,3 +60,19 @@ def test_the_accuracy_of_all_answers_generated_comes_from_the_actors_counters(tm
     titles = [title for title, _ in panels_with_data(runs)]
     assert titles[:2] == ["reward (trained batch)", "accuracy of all answers generated"]
     assert plot_runs([tmp_path])[0].stat().st_size > 5000
+
+
+def test_a_run_with_domains_gets_a_png_of_each_domains_training_numbers(tmp_path):
+    from pipelinerl.plot import plot_domains
+
+    rows = [{"step": i, "time": 2.0 * i, "reward_mean": 0.1 * i,
+             "domain_add_accuracy": 0.05 * i, "domain_add_lag_mean": 1.0, "domain_add_output_tokens_mean": 4,
+             "domain_ifeval_accuracy": 0.02 * i, "domain_ifeval_truncated_frac": 0.1, "domain_ifeval_lag_mean": 2.0}
+            for i in range(1, 21)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    paths = plot_runs([tmp_path])
+    assert [p.name for p in paths] == ["curves_step.png", "curves_time.png", "domains.png"]
+    png = paths[-1].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert plot_domains({"x": [{"step": 1, "reward_mean": 0.1}]}, tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()

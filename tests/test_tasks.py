@@ -317,3 +317,26 @@ def test_stated_answer_reads_the_final_answer_line_as_written():
     assert stated_answer("answer 12\nmore text") is None  # not the last line
     assert stated_answer("answer \nanswer") is None
     assert stated_answer("answer " + "9" * 40) is None  # a runaway string of digits is not an answer
+
+
+def test_prompts_through_the_chat_template_as_one_user_turn_when_asked():
+    from pipelinerl.models.tiny import build_char_tokenizer
+    from pipelinerl.tasks.base import prompt_token_ids
+
+    tok = build_char_tokenizer()
+    assert prompt_token_ids(tok, "1+2=") == tok.encode("1+2=")
+    with pytest.raises(ValueError, match="model.chat_template is true but the model's tokenizer has no chat template"):
+        prompt_token_ids(tok, "1+2=", chat_template=True)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert tok.decode(prompt_token_ids(tok, "1+2=", chat_template=True)) == "<user>1+2=<assistant>"
+
+
+def test_a_chat_template_that_would_do_nothing_is_refused_by_name(tmp_path):
+    from pipelinerl.launch.preflight import preflight
+    from pipelinerl.placement import NodeEnv
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"run_dir: {tmp_path / 'run'}\nmodel: {{path: m, init: tiny, chat_template: true}}\n")
+    with pytest.raises(ConfigError, match="model.chat_template: a tiny model's tokenizer has no chat template"):
+        preflight(load_config(recipe), str(recipe), NodeEnv(), 0)

@@ -16,12 +16,21 @@ def preflight(cfg: RunConfig, recipe: str, node: NodeEnv, gpus: int) -> tuple[li
     missing package or a full disk."""
     problems = missing_data(cfg) + missing_resources(cfg, recipe, node, gpus) + missing_engine(cfg, gpus)
     warnings: list[str] = []
+    if missing_data(cfg):  # the task would only fail on the same files
+        return problems, warnings
     # the task is built here once, so a wrong path or argument stops the run now with the key to change, not
     # later in the actor's log; its problems are drawn too, except the math task's (a hub dataset is fetched by
     # the actor; its files are checked in missing_data)
     from pipelinerl.tasks import check_task, task_from_config
 
     task = task_from_config(cfg.task) if cfg.task.name == "math" else check_task(cfg.task)
+    from pipelinerl.tasks import is_multi_turn
+
+    if cfg.model.chat_template and is_multi_turn(task):
+        raise ConfigError(f"model.chat_template: the multi-turn task {cfg.task.name!r} builds its own context turn by "
+                          "turn, so the chat template would not be applied; set it to false")
+    if cfg.model.chat_template and cfg.model.init == "tiny":
+        raise ConfigError("model.chat_template: a tiny model's tokenizer has no chat template; set it to false")
     budget = getattr(task, "total_time_s", None)  # the code checker's own time for one answer
     if budget is not None and cfg.reward.timeout_s <= budget:
         raise ConfigError(f"reward.timeout_s: {cfg.reward.timeout_s:g} s would cut off the checks of an "
@@ -66,20 +75,28 @@ def run_dir_disk(cfg: RunConfig) -> tuple[str | None, str | None]:
 def missing_data(cfg: RunConfig) -> list[str]:
     """Local data files the recipe names that are not there, each with the command that fetches it. Checked
     before anything starts: a 7B run should not load its model and start 4 engines only to fail on a path."""
-    if cfg.task.name != "math":
-        return []
     from pipelinerl.data import missing_data_hint
 
+    args = dict(cfg.task.args)
+    where = {"task.args": args}
+    if cfg.task.name == "mix":  # each domain's own files, under its own key
+        where = {f"task.args.domains.{name}.args": dict(spec.get("args") or {})
+                 for name, spec in (args.get("domains") or {}).items() if isinstance(spec, dict)}
     problems = []
-    for name in ("train_data", "eval_data"):
-        key, sources = f"task.args.{name}", cfg.task.args.get(name) or []
-        for source in sources:
-            if Path(source).exists() or not _looks_local(source):
-                continue
-            hint = missing_data_hint(source)
-            problems.append(f"{key}: {source} does not exist; "
-                            + (hint or "point it at a local JSON/JSONL file or a Hugging Face dataset name"))
+    for prefix, domain_args in where.items():
+        for name in DATA_KEYS:
+            sources = domain_args.get(name) or []
+            for source in [sources] if isinstance(sources, str) else list(sources):
+                if not isinstance(source, str) or Path(source).exists() or not _looks_local(source):
+                    continue
+                hint = missing_data_hint(source)
+                problems.append(f"{prefix}.{name}: {source} does not exist; "
+                                + (hint or "point it at a local JSON/JSONL file (the recipe's comments say where "
+                                            "its data comes from)"))
     return problems
+
+
+DATA_KEYS = ("train_data", "eval_data", "data")  # the tasks' arguments that name data files
 
 
 def _looks_local(source: str) -> bool:

@@ -56,7 +56,8 @@ def _qwen25(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: in
                 head_dim=hidden // heads, vocab_size=vocab, tie_word_embeddings=tied)
 
 
-# The published config.json of each Qwen2.5 base model on the Hugging Face hub (the -Instruct models share them).
+# The published config.json of each Qwen2.5 base model on the Hugging Face hub (the -Instruct models share them)
+# and of the models built on them that recipes name.
 QWEN25_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-0.5B": _qwen25(896, 4864, 24, 14, 2, 151936, True),
     "Qwen/Qwen2.5-1.5B": _qwen25(1536, 8960, 28, 12, 2, 151936, True),
@@ -65,6 +66,10 @@ QWEN25_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-14B": _qwen25(5120, 13824, 48, 40, 8, 152064, False),
     "Qwen/Qwen2.5-32B": _qwen25(5120, 27648, 64, 40, 8, 152064, False),
     "Qwen/Qwen2.5-72B": _qwen25(8192, 29568, 80, 64, 8, 152064, False),
+    # DeepSeek's R1 distillations into Qwen2.5 (ProRL starts from the 1.5B): the Qwen2.5-Math shapes, the LM head
+    # untied from the embedding in the published config.json
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": _qwen25(1536, 8960, 28, 12, 2, 151936, False),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": _qwen25(3584, 18944, 28, 28, 4, 152064, False),
 }
 
 

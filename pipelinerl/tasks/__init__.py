@@ -70,7 +70,7 @@ def task_from_config(cfg: TaskConfig) -> Task:
             raise ConfigError(f"task.args: {cfg.name} does not take these arguments: {e}") from None
     try:
         task = factory(**args)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OSError) as e:  # OSError: a data file it could not read
         raise ConfigError(f"task.args: {cfg.name} refused its arguments: {e}") from None
     missing = [a for a in ("name", "reward_fn", "train_problems", "eval_problems", "prompt") if not hasattr(task, a)]
     if missing:

@@ -84,6 +84,19 @@ def draw_distinct(count: int, rng: random.Random, make_key: Callable[[random.Ran
     return list(out)
 
 
+def prompt_token_ids(tokenizer: Any, text: str, chat_template: bool = False) -> list[int]:
+    """The tokens a prompt is generated from: `text` as it is, or (`model.chat_template`) as one user turn of the
+    tokenizer's chat template followed by its generation prompt."""
+    if not chat_template:
+        return tokenizer.encode(text)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("model.chat_template is true but the model's tokenizer has no chat template "
+                         "(tokenizer_config.json): set model.chat_template=false to prompt with the raw text")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
 def reward_item(problem: dict, completion: str, finish_reason: str, **extra: Any) -> dict:
     """The plain dict a task's `reward_fn` receives: picklable, so it can cross into a reward worker."""
     return {"problem": problem, "completion": completion, "finish_reason": finish_reason, **extra}

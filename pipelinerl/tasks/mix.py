@@ -70,7 +70,7 @@ class MixTask:
                 raise ValueError(f"domains.{name}: a mix cannot hold another mix")
             try:
                 task = TASKS.get(spec["task"])(**dict(spec.get("args") or {}))
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, OSError) as e:
                 raise ValueError(f"domains.{name} ({spec['task']}): {e}") from None
             if is_multi_turn(task):
                 raise ValueError(f"domains.{name}: {spec['task']} is multi-turn, which a mix cannot hold yet")
