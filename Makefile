@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 # order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
-.PHONY: install pins fuzz chaos run compare compare-algorithms compare-critic rehearsal-seeds compare-tools compare-trl test test-quick test-gpu bench lint format openapi config-reference clean data-orz run-orz-cpu run-1gpu run-7b run-32b
+.PHONY: install pins fuzz chaos run compare compare-algorithms compare-critic compare-domains rehearsal-seeds compare-tools compare-trl test test-quick test-gpu bench lint format openapi config-reference clean data-orz run-orz-cpu run-1gpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -160,6 +160,11 @@ rehearsal-seeds: $(STAMP)
 	  tests/test_orz_rehearsal.py
 
 # the code recipes: tiny_code_cpu's learning curve, and the interpreter as a tool against single-turn (docs/code.md)
+# what mixing domains costs or gains: recipes/tiny_mix_cpu.yaml on its three domains, then each domain alone from the
+# mix's base model for the same steps (bench/compare_domains.py). ARGS="--seeds 0,1,2 --steps 200"
+compare-domains: $(STAMP)
+	$(BIN)/python -m bench.compare_domains $(ARGS)
+
 compare-tools: $(STAMP)
 	$(BIN)/python -m bench.code_tasks
 
