@@ -37,7 +37,7 @@ from pipelinerl.samples import Sample
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import is_multi_turn, reward_item, task_from_config
-from pipelinerl.tasks.base import problem_sampling, prompt_token_ids
+from pipelinerl.tasks.base import problem_sampling, prompt_token_ids, reward_preload
 from pipelinerl.tasks.workflow import RolloutEngine, run_episodes
 
 ENGINE_RETRY_S = 2.0  # how long an engine that could not be reached gets no requests before it is tried again
@@ -146,7 +146,8 @@ class Actor:
         cfg = self.cfg
         per_engine_groups = max(1, cfg.actor.concurrency // cfg.sampling.group_size)
         tasks: set[asyncio.Task] = set()
-        with RewardPool(cfg.reward.workers, cfg.reward.timeout_s, memory_limit_mb=cfg.reward.memory_limit_mb) as pool:
+        with RewardPool(cfg.reward.workers, cfg.reward.timeout_s, memory_limit_mb=cfg.reward.memory_limit_mb,
+                        preload=reward_preload(self.task)) as pool:
             self.pool = pool
             last_report = 0.0
             while not self.done:

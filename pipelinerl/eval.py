@@ -25,7 +25,7 @@ from pipelinerl.contracts.inference import GenerateRequest, GenerateResponse, Sa
 from pipelinerl.engines.client import AsyncEngineClient
 from pipelinerl.rewards import RewardPool
 from pipelinerl.tasks import Task, is_multi_turn, reward_item
-from pipelinerl.tasks.base import problem_sampling, prompt_token_ids
+from pipelinerl.tasks.base import problem_sampling, prompt_token_ids, reward_preload
 from pipelinerl.tasks.workflow import RolloutEngine, run_episodes
 
 
@@ -313,7 +313,8 @@ def main(args: argparse.Namespace) -> int:
             return 1
     try:
         start = time.monotonic()
-        with RewardPool(workers=args.reward_workers, timeout_s=args.reward_timeout) as pool:
+        with RewardPool(workers=args.reward_workers, timeout_s=args.reward_timeout,
+                        preload=reward_preload(task)) as pool:
             result = asyncio.run(evaluate_async(task, problems, urls, tokenizer, pool, k=args.k,
                                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                                 max_new_tokens=args.max_new_tokens, stop=args.stop,

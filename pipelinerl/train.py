@@ -592,9 +592,11 @@ class HeldOutEval:
             self.problems = self.task.eval_problems()
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
             from pipelinerl.rewards import RewardPool
+            from pipelinerl.tasks.base import reward_preload
 
             self.pool = RewardPool(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
-                                   memory_limit_mb=cfg.reward.memory_limit_mb).start()
+                                   memory_limit_mb=cfg.reward.memory_limit_mb,
+                                   preload=reward_preload(self.task)).start()
 
     @staticmethod
     def sampling(cfg: RunConfig) -> dict:

@@ -184,3 +184,19 @@ def test_settings_are_checked_by_name():
         IFEvalTask(instructions=["keywords:nope"])
     with pytest.raises(ValueError, match="unavailable must be one of error, skip"):
         IFEvalTask(unavailable="ignore")
+
+
+def test_a_mixs_ifeval_domain_warms_up_before_the_workers_clock_starts():
+    # lm-eval's import takes seconds: inside the 2 s a check may take here, a cold worker would time out on the
+    # first instruction-following answer, and every replacement worker again
+    from pipelinerl.tasks.base import reward_preload
+    from pipelinerl.tasks.mix import MixTask
+
+    mix = MixTask({"constraints": {"task": "ifeval", "args": {"num_train": 10, "num_eval": 0,
+                                                             "instructions": ["startend:quotation"]}}})
+    problems = mix.train_problems()[:3]
+    assert reward_preload(mix) == ("pipelinerl.rewards.ifeval:score_ifeval",)
+    with RewardPool(workers=1, timeout_s=2.0, preload=reward_preload(mix)) as pool:
+        results = pool.score(mix.reward_fn, [reward_item(p, '"i like rain"', "stop") for p in problems])
+        assert [r.reward for r in results] == [1.0] * 3, [r.info for r in results]
+        assert pool.stats()["timeouts"] == 0

@@ -49,4 +49,5 @@ def test_a_three_domain_run_reports_every_domain_apart(tmp_path):
     # the actor counts each domain's answers and drops apart
     actor = [json.loads(line) for line in (run_dir / "actor_metrics.jsonl").read_text().splitlines()][-1]
     assert sum(actor[f"domain_{d}_samples_generated"] for d in DOMAINS) == actor["samples_generated"]
+    assert actor["reward_timeouts"] == 0 and actor["reward_errors"] == 0  # every domain's verifier warmed up
     assert (run_dir / "domains.png").exists() and (run_dir / "eval_benchmarks.png").exists()

@@ -132,12 +132,17 @@ def _worker_main(conn: Connection, preload: tuple[str, ...], memory_limit_mb: in
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes the pool
     _exit_with_parent()
     limited = False
-    for module in preload:
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # the job that needs it will report the error
-            logger.warning("reward worker could not preload %s: %s", module, e)
     functions: dict[str, Callable[[dict], Any]] = {}
+    for name in preload:  # a module, or a scoring function ("module:function") to import and warm up now
+        try:
+            if ":" in name:
+                fn = resolve(name)
+                getattr(fn, "warmup", _nothing)()
+                functions[name] = fn
+            else:
+                importlib.import_module(name)
+        except Exception as e:  # the job that needs it will report the error
+            logger.warning("reward worker could not preload %s: %s", name, e)
     while True:
         try:
             msg = conn.recv()
@@ -180,7 +185,9 @@ class RewardPool:
 
     `timeout_s` bounds each check from the moment the worker starts it; `start_timeout_s` separately bounds a
     fresh worker's start-up, the import of the scoring function and its warmup. `preload` names modules every
-    worker imports as soon as it starts. `memory_limit_mb` caps how far each worker's address space may grow
+    worker imports as soon as it starts, and scoring functions ("module:function") it imports and warms up then:
+    the functions a scoring function calls in turn (a mix's domains) would otherwise warm up inside the clock.
+    `memory_limit_mb` caps how far each worker's address space may grow
     beyond its imports (0: no cap); a check that runs out gets reward 0 with reason "out of memory: ...", counted
     in `out_of_memory`, and its worker is replaced.
     """

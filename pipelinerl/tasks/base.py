@@ -97,6 +97,12 @@ def prompt_token_ids(tokenizer: Any, text: str, chat_template: bool = False) -> 
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
+def reward_preload(task: Task) -> tuple[str, ...]:
+    """The scoring functions ("module:function") a task's `reward_fn` calls in turn (a mix's domains), for the
+    reward workers to import and warm up before their clock starts (`RewardPool(preload=...)`)."""
+    return tuple(dict.fromkeys(getattr(task, "reward_refs", {}).values()))
+
+
 def reward_item(problem: dict, completion: str, finish_reason: str, **extra: Any) -> dict:
     """The plain dict a task's `reward_fn` receives: picklable, so it can cross into a reward worker."""
     return {"problem": problem, "completion": completion, "finish_reason": finish_reason, **extra}
