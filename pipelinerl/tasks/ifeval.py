@@ -218,14 +218,17 @@ class IFEvalTask:
             return
         rng = random.Random(self.seed)
         eval_rng, train_rng = random.Random(rng.randrange(2**31)), random.Random(rng.randrange(2**31))
+        held_out_keys: frozenset = frozenset()
         if self._eval is None:
             keys = draw_distinct(self.num_eval, eval_rng, self._generate, hint=" (ifeval held-out prompts)")
             self._eval = [self._problem(k, "eval", i) for i, k in enumerate(keys)]
+            held_out_keys = frozenset(keys)
         if self.data is not None:
             self._train = self._usable(read_ifeval_jsonl(self.data), "data")
-        else:
+        else:  # never a held-out prompt, generated (by its key) or from IFEval's file (by its text)
             held_out = frozenset(p["prompt"] for p in self._eval)
-            keys = draw_distinct(self.num_train, train_rng, self._generate, hint=" (ifeval training prompts)")
+            keys = draw_distinct(self.num_train, train_rng, self._generate, exclude=held_out_keys,
+                                 hint=" (ifeval training prompts)")
             problems = [self._problem(k, "train", i) for i, k in enumerate(keys)]
             self._train = [p for p in problems if p["prompt"] not in held_out]
 
