@@ -96,7 +96,7 @@ def missing_data(cfg: RunConfig) -> list[str]:
     return problems
 
 
-DATA_KEYS = ("train_data", "eval_data", "data")  # the tasks' arguments that name data files
+DATA_KEYS = ("train_data", "eval_data")  # the tasks' arguments that name data files
 
 
 def _looks_local(source: str) -> bool:

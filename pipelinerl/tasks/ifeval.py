@@ -11,7 +11,7 @@
         instructions: [punctuation:no_comma, startend:quotation]   # which constraints to draw (default: all)
         reward: all           # 1 when every constraint is followed (strict); `fraction`: the share followed
 
-`data` / `eval_data` take IFEval's JSONL (`key, prompt, instruction_id_list, kwargs`), so the published prompts
+`train_data` / `eval_data` take IFEval's JSONL (`key, prompt, instruction_id_list, kwargs`), so the published prompts
 (`google/IFEval` on the Hugging Face hub: `input_data.jsonl`) work as they are. The held-out evaluation reports
 IFEval's four numbers per benchmark: prompt-level and instruction-level accuracy, strict and loose.
 
@@ -144,7 +144,7 @@ class IFEvalTask:
     reward_fn = staticmethod(checks.score_ifeval)
     eval_ratios = checks.EVAL_RATIOS
 
-    def __init__(self, data: str | None = None, eval_data: str | None = None, num_train: int = 5000,
+    def __init__(self, train_data: str | None = None, eval_data: str | None = None, num_train: int = 5000,
                  num_eval: int = 200, max_instructions: int = 2, instructions: list[str] | None = None,
                  reward: str = "all", unavailable: str = "error", seed: int = 0):
         if reward not in checks.REWARDS:
@@ -171,7 +171,7 @@ class IFEvalTask:
             drawn = [i for i in drawn if i not in self.missing]
         self.instructions, self.max_instructions, self.reward, self.seed = drawn, max_instructions, reward, seed
         self.num_train, self.num_eval = num_train, num_eval
-        self.data, self.eval_data = data, eval_data
+        self.train_data, self.eval_data = train_data, eval_data
         self._train: list[dict] | None = None
         self._eval: list[dict] | None = None
         if eval_data is not None:  # read now: a wrong file or an unscorable prompt is said when the run starts
@@ -223,8 +223,8 @@ class IFEvalTask:
             keys = draw_distinct(self.num_eval, eval_rng, self._generate, hint=" (ifeval held-out prompts)")
             self._eval = [self._problem(k, "eval", i) for i, k in enumerate(keys)]
             held_out_keys = frozenset(keys)
-        if self.data is not None:
-            self._train = self._usable(read_ifeval_jsonl(self.data), "data")
+        if self.train_data is not None:
+            self._train = self._usable(read_ifeval_jsonl(self.train_data), "train_data")
         else:  # never a held-out prompt, generated (by its key) or from IFEval's file (by its text)
             held_out = frozenset(p["prompt"] for p in self._eval)
             keys = draw_distinct(self.num_train, train_rng, self._generate, exclude=held_out_keys,
