@@ -774,7 +774,10 @@ def _without_algorithm(cfg: DictConfig) -> DictConfig:
     from pipelinerl.rl.registry import ALGORITHM_KEYS
 
     defaults = OmegaConf.structured(TrainerConfig)
-    for key in (*ALGORITHM_KEYS, "policy_loss", "advantage", "aggregation", "kl_in_reward", "kl_reward"):
+    # the KL to a reference and its resets are the algorithm's too (ProRL's): left in, a recipe's reference resets
+    # were refused under a preset without KL
+    kl = [key for key in defaults if key.startswith(("kl_", "ref_reset"))]
+    for key in (*ALGORITHM_KEYS, "policy_loss", "advantage", "aggregation", *kl):
         cfg.trainer[key] = defaults[key]
     return cfg
 

@@ -86,9 +86,11 @@ def test_a_domains_own_sampling_settings_and_warm_up_targets():
     assert problem_sampling(adds[0], 64, ["</answer>"]) == (64, ["</answer>"])  # the run's, where a domain has none
     assert problem_sampling(task.eval_problems()[-1], 64, []) == (5, ["\n"])  # held out too
     # every domain writes its own warm-up target; what its verifier scores right
-    with RewardPool(workers=1) as pool:
+    from pipelinerl.tasks.base import reward_preload
+
+    with RewardPool(workers=1, preload=reward_preload(task)) as pool:  # Reasoning Gym's import before the clock
         results = pool.score(task.reward_fn, [reward_item(p, task.target(p), "stop") for p in legs[:3] + adds[:3]])
-    assert all(r.reward == 1.0 for r in results)
+    assert all(r.reward == 1.0 for r in results), [r.info for r in results]
     for bad in ({"max_new_tokens": 0}, {"temperature": 0.5}):
         with pytest.raises(ValueError, match="domains.legs.sampling"):
             MixTask({**DOMAINS, "legs": {**DOMAINS["legs"], "sampling": bad}})
