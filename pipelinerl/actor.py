@@ -33,7 +33,7 @@ from pipelinerl.procs import POOL_SOLVED_EXIT, engine_urls, role_arguments
 from pipelinerl.rewards import RewardPool, RewardResult
 from pipelinerl.rewards.pool import resolve
 from pipelinerl.rewards.shaping import shape_reward
-from pipelinerl.samples import Sample
+from pipelinerl.samples import Sample, domain_key
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import is_multi_turn, reward_item, task_from_config
@@ -260,7 +260,7 @@ class Actor:
         self.counts["samples_generated_correct"] += sum(s.correct for s in samples)
         domain = samples[0].domain if samples else ""
         if domain:  # a mix's (or Reasoning Gym's) domains counted apart: their accuracy and drops never blended
-            key = "".join(c if c.isalnum() else "_" for c in domain)
+            key = domain_key(domain)
             for name, value in (("samples_generated", len(samples)),
                                 ("samples_generated_correct", sum(s.correct for s in samples))):
                 self.counts[f"domain_{key}_{name}"] = self.counts.get(f"domain_{key}_{name}", 0) + value

@@ -69,3 +69,9 @@ class Sample(BaseModel):
         """Versions between the trainer now and the first token the model wrote in this sample."""
         versions = self.model_versions
         return trainer_version - versions[0] if versions else 0
+
+
+def domain_key(domain: str) -> str:
+    """A domain's name as it appears inside metric keys (`domain_<key>_accuracy`): letters and digits kept, the
+    rest `_`."""
+    return "".join(c if c.isalnum() else "_" for c in domain)

@@ -33,7 +33,7 @@ from pipelinerl.metrics import JsonlAppender, MetricsSink, continue_metrics
 from pipelinerl.placement import detect_gpus
 from pipelinerl.procs import engine_urls as engine_urls_of
 from pipelinerl.procs import process_age_s, role_arguments
-from pipelinerl.samples import Sample
+from pipelinerl.samples import Sample, domain_key
 from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
 from pipelinerl.trainer.publisher import EngineWaitInterrupted
@@ -295,7 +295,7 @@ def batch_metrics(batch: list[Sample], trained_at: int | None = None) -> dict[st
     domains = sorted({s.domain for s in batch if s.domain})
     for domain in domains:  # each domain's numbers apart, never blended into another's
         mine = [s for s in batch if s.domain == domain]
-        key = "".join(c if c.isalnum() else "_" for c in domain)
+        key = domain_key(domain)
         row[f"domain_{key}_samples"] = float(len(mine))
         row[f"domain_{key}_reward_mean"] = sum(s.reward for s in mine) / len(mine)
         row[f"domain_{key}_accuracy"] = sum(s.reward_parts.get("correct", 0.0) for s in mine) / len(mine)

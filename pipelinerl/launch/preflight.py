@@ -14,9 +14,10 @@ def preflight(cfg: RunConfig, recipe: str, node: NodeEnv, gpus: int) -> tuple[li
     """(problems, warnings): what stops this recipe on this node before anything starts, each naming what to do,
     and what is worth saying. A 7B run should not load its model and start 8 engines only to fail on a path, a
     missing package or a full disk."""
-    problems = missing_data(cfg) + missing_resources(cfg, recipe, node, gpus) + missing_engine(cfg, gpus)
+    data = missing_data(cfg)
+    problems = data + missing_resources(cfg, recipe, node, gpus) + missing_engine(cfg, gpus)
     warnings: list[str] = []
-    if missing_data(cfg):  # the task would only fail on the same files
+    if data:  # the task would only fail on the same files
         return problems, warnings
     # the task is built here once, so a wrong path or argument stops the run now with the key to change, not
     # later in the actor's log; its problems are drawn too, except the math task's (a hub dataset is fetched by
