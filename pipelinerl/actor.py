@@ -38,6 +38,7 @@ from pipelinerl.streams import open_reader, open_writer
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import is_multi_turn, reward_item, task_from_config
 from pipelinerl.tasks.base import problem_sampling, prompt_token_ids, reward_preload
+from pipelinerl.tasks.curriculum import DomainCurriculum, curriculum_for
 from pipelinerl.tasks.workflow import RolloutEngine, run_episodes
 
 ENGINE_RETRY_S = 2.0  # how long an engine that could not be reached gets no requests before it is tried again
@@ -119,6 +120,9 @@ class Actor:
         # under dynamic sampling with actor.retire_solved: problems whose group came back all right, not sampled
         # again (ProRL's and DAPO's pruning of solved prompts), kept across restarts
         self.retired: set[int] = set(state.get("retired", []))
+        # actor.curriculum: each group's domain drawn by its pass rate (None: the seeded order above)
+        self.curriculum: DomainCurriculum | None = curriculum_for(self.task, self.problems, cfg.actor, cfg.seed,
+                                                                  state.get("curriculum"))
         self.streamed = state.get("streamed_samples", 0)  # samples the trainer will read, in order
         self.in_flight = 0  # samples being generated or scored
         self.trainer_version = 0
@@ -204,6 +208,8 @@ class Actor:
         if len(self.retired) >= len(self.problems):
             self._finish_solved()
             return None
+        if self.curriculum is not None:
+            return self.curriculum.take(self.retired)
         while True:
             index = self.order[self.next_problem % len(self.order)]
             self.next_problem += 1
@@ -259,6 +265,8 @@ class Actor:
         self.counts["samples_generated"] += len(samples)
         self.counts["samples_generated_correct"] += sum(s.correct for s in samples)
         domain = samples[0].domain if samples else ""
+        if self.curriculum is not None:
+            self.curriculum.observe(domain, sum(s.correct for s in samples), len(samples))
         if domain:  # a mix's (or Reasoning Gym's) domains counted apart: their accuracy and drops never blended
             key = domain_key(domain)
             for name, value in (("samples_generated", len(samples)),
@@ -295,8 +303,10 @@ class Actor:
         self._save_state()
 
     def _save_state(self) -> None:
-        self.state_file.write(json.dumps({"next_problem": self.next_problem, "streamed_samples": self.streamed,
-                                          "retired": sorted(self.retired)}))
+        state = {"next_problem": self.next_problem, "streamed_samples": self.streamed, "retired": sorted(self.retired)}
+        if self.curriculum is not None:
+            state["curriculum"] = self.curriculum.state()
+        self.state_file.write(json.dumps(state))
 
     @property
     def max_dropped_in_a_row(self) -> int:
@@ -393,6 +403,11 @@ class Actor:
         row = {"time": time.monotonic() - self.started, "trainer_version": self.trainer_version,
                "in_flight": self.in_flight, **self.counts,
                **{f"reward_{k}": v for k, v in self.pool.stats().items()}}
+        if self.curriculum is not None:  # each domain's share of the next draws and the pass rate behind it
+            shares = self.curriculum.weights(self.retired)
+            for domain, share in shares.items():
+                row[f"domain_{domain_key(domain)}_curriculum_share"] = share
+                row[f"domain_{domain_key(domain)}_curriculum_pass_rate"] = self.curriculum.pass_rate[domain]
         with open(self.run_dir / "actor_metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 

@@ -22,6 +22,7 @@ from pipelinerl.plugins import ENGINES, TASKS
 BACKENDS = ("auto", "gloo", "nccl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STREAM_BACKENDS = ("files", "redis")
+CURRICULA = ("learnability", "unsolved")  # actor.curriculum (pipelinerl/tasks/curriculum.py)
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
@@ -487,12 +488,25 @@ class ActorConfig:
     # All-right groups neither count nor reset it (their problems are retired). None: ten steps' worth of groups
     # (10 * samples_per_step / group_size); 0: never stop
     max_dropped_in_a_row: Optional[int] = None  # noqa: UP045 (omegaconf needs Optional)
+    # a curriculum over the task's domains (a mix's, Reasoning Gym's generators; pipelinerl/tasks/curriculum.py): each
+    # group's domain drawn by its weight times a factor of its pass rate p among the answers generated.
+    # "learnability": 4p(1-p), most where a group's answers differ most; "unsolved": 1-p, fading solved domains.
+    # null: the task's own shares, in a seeded order
+    curriculum: Optional[str] = None  # noqa: UP045 (omegaconf needs Optional)
+    curriculum_floor: float = 0.1  # the least factor a domain gets: none starves, its pass rate is still measured
+    curriculum_smoothing: float = 0.05  # each group's weight in its domain's moving-average pass rate
 
     def __post_init__(self) -> None:
         _check(self.max_lag >= 0, "actor.max_lag", "must be >= 0")
         _check(self.max_dropped_in_a_row is None or self.max_dropped_in_a_row >= 0, "actor.max_dropped_in_a_row",
                f"must be >= 0 (0: no limit) or null, got {self.max_dropped_in_a_row}")
         _check(self.concurrency >= 1, "actor.concurrency", "must be at least 1")
+        _check(self.curriculum is None or self.curriculum in CURRICULA, "actor.curriculum",
+               f"must be one of {', '.join(CURRICULA)} or null, got {self.curriculum!r}")
+        _check(0 < self.curriculum_floor <= 1, "actor.curriculum_floor",
+               f"must be in (0, 1], got {self.curriculum_floor}")
+        _check(0 < self.curriculum_smoothing <= 1, "actor.curriculum_smoothing",
+               f"must be in (0, 1], got {self.curriculum_smoothing}")
 
 
 @dataclass

@@ -4,6 +4,7 @@ reported apart in the trainer's metrics and as its own held-out benchmark."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -13,6 +14,7 @@ from pipelinerl.eval import benchmark_of
 from pipelinerl.rewards import RewardPool
 from pipelinerl.samples import Sample
 from pipelinerl.tasks import reward_item, task_from_config
+from pipelinerl.tasks.base import reward_preload
 from pipelinerl.tasks.mix import MixTask
 from pipelinerl.train import batch_metrics
 
@@ -69,7 +71,7 @@ def test_a_mix_from_a_recipe_and_its_mistakes_named(tmp_path):
         task_from_config(load_config(recipe, ["task.args.domains.legs.args.datasets=[nope]"]).task)
     with pytest.raises(ConfigError, match="domains.add.weight must be a number > 0"):
         task_from_config(load_config(recipe, ["task.args.domains.add.weight=0"]).task)
-    with pytest.raises(ConfigError, match="domains.add: takes task \\(required\\), weight, args and sampling"):
+    with pytest.raises(ConfigError, match="domains.add: takes task \\(required\\), weight, args, sampling and"):
         task_from_config(load_config(recipe, ["task.args.domains.add.colour=red"]).task)
     with pytest.raises(ConfigError, match="domains.x: a mix cannot hold another mix"):
         task_from_config(load_config(recipe, ["task.args.domains.x={task: mix}"]).task)
@@ -86,11 +88,71 @@ def test_a_domains_own_sampling_settings_and_warm_up_targets():
     assert problem_sampling(adds[0], 64, ["</answer>"]) == (64, ["</answer>"])  # the run's, where a domain has none
     assert problem_sampling(task.eval_problems()[-1], 64, []) == (5, ["\n"])  # held out too
     # every domain writes its own warm-up target; what its verifier scores right
-    from pipelinerl.tasks.base import reward_preload
-
     with RewardPool(workers=1, preload=reward_preload(task)) as pool:  # Reasoning Gym's import before the clock
         results = pool.score(task.reward_fn, [reward_item(p, task.target(p), "stop") for p in legs[:3] + adds[:3]])
     assert all(r.reward == 1.0 for r in results), [r.info for r in results]
     for bad in ({"max_new_tokens": 0}, {"temperature": 0.5}):
         with pytest.raises(ValueError, match="domains.legs.sampling"):
             MixTask({**DOMAINS, "legs": {**DOMAINS["legs"], "sampling": bad}})
+
+
+def score_after_sleeping(item: dict) -> float:
+    time.sleep(item["problem"]["sleep"])
+    return 1.0
+
+
+class SleepyTask:
+    """A one-file task (as a user would write one) whose verifier takes `sleep` seconds."""
+
+    name = "sleepy"
+    reward_fn = staticmethod(score_after_sleeping)
+
+    def __init__(self, sleep: float):
+        self.sleep = sleep
+
+    def train_problems(self) -> list[dict]:
+        return [{"id": i, "sleep": self.sleep} for i in range(4)]
+
+    def eval_problems(self) -> list[dict]:
+        return self.train_problems()
+
+    def prompt(self, problem: dict) -> str:
+        return "wait"
+
+
+def test_a_domains_own_reward_timeout_bounds_its_checks_and_no_one_elses():
+    """A slow verifier's domain gets its own bound (`reward_timeout_s`), wider or narrower than the run's; the
+    other domains keep the run's `reward.timeout_s`."""
+    task = MixTask({"quick": {"task": "test_mix:SleepyTask", "args": {"sleep": 0.6}},
+                    "patient": {"task": "test_mix:SleepyTask", "args": {"sleep": 0.6}, "reward_timeout_s": 5},
+                    "strict": {"task": "test_mix:SleepyTask", "args": {"sleep": 2.0}, "reward_timeout_s": 0.2}})
+    first = {name: next(p for p in task.eval_problems() if p["domain"] == name) for name in task.domains()}
+    with RewardPool(workers=1, timeout_s=0.3, preload=reward_preload(task)) as pool:
+        results = {name: pool.score(task.reward_fn, [reward_item(p, "", "stop")])[0] for name, p in first.items()}
+        counts = pool.stats()
+    assert results["patient"].reward == 1.0, results["patient"].info  # 0.6 s inside its own 5 s
+    assert results["quick"].info == "timeout: no result within 0.3 s"  # the run's bound
+    assert results["strict"].info == "timeout: no result within 0.2 s"  # its own, narrower
+    assert counts["timeouts"] == 2 and counts["scored"] == 1
+    for bad in (0, -1, "5", True):
+        with pytest.raises(ValueError, match="domains.strict.reward_timeout_s must be a number of seconds > 0"):
+            MixTask({"strict": {"task": "test_mix:SleepyTask", "args": {"sleep": 0}, "reward_timeout_s": bad}})
+
+
+def test_a_code_domain_bounded_below_its_own_budget_is_refused_before_the_run(tmp_path):
+    from pipelinerl.launch.preflight import preflight
+    from pipelinerl.placement import NodeEnv
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"run_dir: {tmp_path / 'run'}\nmodel: {{path: m, init: tiny}}\ntask:\n  name: mix\n  args:\n"
+                      "    domains:\n      add: {task: arithmetic, args: {digits: 1, num_train: 20, num_eval: 4}}\n"
+                      "      code: {task: 'pipelinerl.tasks.tiny_code:TinyCodeTask',\n"
+                      "             args: {total_time_s: 20, num_train: 20, num_eval: 4}}\n")
+    with pytest.raises(ConfigError, match="reward.timeout_s: 5 s would cut off the checks of a code answer.*set "
+                                          "task.args.domains.code.reward_timeout_s above that"):
+        preflight(load_config(recipe), str(recipe), NodeEnv(), 0)
+    with pytest.raises(ConfigError, match="task.args.domains.code.reward_timeout_s: 10 s would cut off"):
+        preflight(load_config(recipe, ["task.args.domains.code.reward_timeout_s=10"]), str(recipe), NodeEnv(), 0)
+    problems, _ = preflight(load_config(recipe, ["task.args.domains.code.reward_timeout_s=25"]), str(recipe),
+                            NodeEnv(), 0)
+    assert not any("timeout" in p for p in problems)

@@ -36,6 +36,16 @@ def preflight(cfg: RunConfig, recipe: str, node: NodeEnv, gpus: int) -> tuple[li
     if budget is not None and cfg.reward.timeout_s <= budget:
         raise ConfigError(f"reward.timeout_s: {cfg.reward.timeout_s:g} s would cut off the checks of an "
                           f"answer, which may take task.args.total_time_s {budget:g} s; set it above that")
+    for name, domain in getattr(task, "tasks", {}).items():  # a mix's domains, each bounded by its own timeout
+        budget, own = getattr(domain, "total_time_s", None), getattr(task, "timeouts", {}).get(name)
+        if budget is not None and (own or cfg.reward.timeout_s) <= budget:
+            key = f"task.args.domains.{name}.reward_timeout_s" if own else "reward.timeout_s"
+            raise ConfigError(f"{key}: {own or cfg.reward.timeout_s:g} s would cut off the checks of a {name} answer, "
+                              f"which may take task.args.domains.{name}.args.total_time_s {budget:g} s; set "
+                              f"task.args.domains.{name}.reward_timeout_s above that")
+    from pipelinerl.tasks.curriculum import curriculum_for
+
+    curriculum_for(task, [], cfg.actor, cfg.seed)  # refused by name where it would do nothing (one domain)
     if node.rank == 0:
         problem, warning = run_dir_disk(cfg)
         problems += [problem] if problem else []

@@ -43,6 +43,8 @@ from pipelinerl.rewards.result import RewardResult
 
 logger = logging.getLogger(__name__)
 
+# a problem's own bound on its check, in seconds (a mix domain's `reward_timeout_s`): replaces the pool's timeout_s
+TIMEOUT_KEY = "reward_timeout_s"
 COUNTERS = ("scored", "timeouts", "crashes", "errors", "out_of_memory", "workers_replaced")
 # the outcomes that cost the worker: it is killed (or gone) and a fresh one takes the batch's later items
 WORKER_LOST = ("timeouts", "crashes", "out_of_memory")
@@ -183,13 +185,13 @@ class RewardPool:
     `RewardResult(0.0, {}, reason)` with reason "timeout: ...", "crash: exit code N" or "error: Type: message".
     Counters (`stats()`): scored (checks that returned a reward), timeouts, crashes, errors, workers_replaced.
 
-    `timeout_s` bounds each check from the moment the worker starts it; `start_timeout_s` separately bounds a
-    fresh worker's start-up, the import of the scoring function and its warmup. `preload` names modules every
-    worker imports as soon as it starts, and scoring functions ("module:function") it imports and warms up then:
-    the functions a scoring function calls in turn (a mix's domains) would otherwise warm up inside the clock.
-    `memory_limit_mb` caps how far each worker's address space may grow
-    beyond its imports (0: no cap); a check that runs out gets reward 0 with reason "out of memory: ...", counted
-    in `out_of_memory`, and its worker is replaced.
+    `timeout_s` bounds each check from the moment the worker starts it (an item whose problem carries
+    `reward_timeout_s`, a mix domain's own, gets that bound instead: `check_timeout`); `start_timeout_s` separately
+    bounds a fresh worker's start-up, the import of the scoring function and its warmup. `preload` names modules
+    every worker imports as soon as it starts, and scoring functions ("module:function") it imports and warms up
+    then: the functions a scoring function calls in turn (a mix's domains) would otherwise warm up inside the clock.
+    `memory_limit_mb` caps how far each worker's address space may grow beyond its imports (0: no cap); a check that
+    runs out gets reward 0 with reason "out of memory: ...", counted in `out_of_memory`, and its worker is replaced.
     """
 
     def __init__(self, workers: int = 1, timeout_s: float = 5.0, start_method: str = "spawn",
@@ -350,13 +352,14 @@ class RewardPool:
         except Exception:  # an item could not be pickled; nothing reached the worker
             yield from self._unpicklable(proc, conn, ref, items, loaded)
             return
-        for _ in items:
+        for item in items:
+            limit = check_timeout(item, self.timeout_s)
             started = ref in loaded
-            deadline = time.monotonic() + (self.timeout_s if started else self.start_timeout_s)
+            deadline = time.monotonic() + (limit if started else self.start_timeout_s)
             while True:
                 remaining = deadline - time.monotonic()
                 if not conn.poll(max(remaining, 0.0)):  # past the deadline, still take a result already sent
-                    what = f"no result within {self.timeout_s:g} s" if started else \
+                    what = f"no result within {limit:g} s" if started else \
                         f"the worker did not start the check within {self.start_timeout_s:g} s"
                     yield RewardResult(0.0, {}, f"timeout: {what}"), "timeouts"
                     return
@@ -368,7 +371,7 @@ class RewardPool:
                 if kind != "start":
                     break
                 loaded.add(ref)
-                started, deadline = True, time.monotonic() + self.timeout_s
+                started, deadline = True, time.monotonic() + limit
             if kind == "ok":
                 yield value, "scored"
             elif kind == "memory":
@@ -390,6 +393,13 @@ class RewardPool:
                 yield result
                 if result[1] in WORKER_LOST:
                     return
+
+
+def check_timeout(item: dict, default: float) -> float:
+    """The seconds `item`'s check may take: its problem's own `reward_timeout_s` where it has one, else `default`."""
+    problem = item.get("problem") if isinstance(item, dict) else None
+    own = problem.get(TIMEOUT_KEY) if isinstance(problem, dict) else None
+    return float(own) if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0 else default
 
 
 def _crashed(proc: Any) -> RewardResult:

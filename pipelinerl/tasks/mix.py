@@ -8,15 +8,18 @@ a sampling weight and its own arguments.
           arithmetic: {task: arithmetic, weight: 2, args: {digits: 2, ops: "+", reverse: true}}
           legs: {task: reasoning_gym, weight: 1, args: {datasets: [leg_counting]}}
           constraints: {task: ifeval, weight: 1, args: {max_instructions: 1}, sampling: {max_new_tokens: 48}}
+          code: {task: code, weight: 1, args: {...}, reward_timeout_s: 30}
         num_train: 6000   # training problems in all, split by weight (default: the domains' own, summed)
 
-Every problem carries its domain (`problem["domain"]`), so the trainer's metrics (`domain_<name>_*`) and the
-held-out evaluation (one benchmark per domain, plus their mean) report each apart. Each domain keeps its own
-prompt and its own verifier: the mix's reward function routes a problem to its domain's scoring function inside
-the reward workers, with its domain's name on every result. A domain's `sampling` (`max_new_tokens`, `stop`)
-replaces the run's for its problems, in training and in the held-out evaluation. A domain's own held-out numbers
-(IFEval's strict and loose levels) are reported for its benchmark. The supervised warm-up of a tiny model writes
-each domain's own targets (every domain's task must have them). Multi-turn tasks cannot be mixed yet.
+Every problem carries its domain (`problem["domain"]`), so the trainer's metrics (`domain_<name>_*`) and the held-
+out evaluation (one benchmark per domain, plus their mean) report each apart. Each domain keeps its own prompt and
+its own verifier: the mix's reward function routes a problem to its domain's scoring function inside the reward
+workers, with its domain's name on every result, bounded by its domain's `reward_timeout_s` where it has one (else
+the run's `reward.timeout_s`: a slow verifier, sandboxed code, need not widen everyone's). A domain's `sampling`
+(`max_new_tokens`, `stop`) replaces the run's for its problems, in training and in the held-out evaluation. A
+domain's own held-out numbers (IFEval's strict and loose levels) are reported for its benchmark. The supervised
+warm-up of a tiny model writes each domain's own targets (every domain's task must have them). Multi-turn tasks
+cannot be mixed yet.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import random
 from typing import Any
 
 from pipelinerl.plugins import TASKS, import_ref
-from pipelinerl.rewards.pool import function_ref, to_result
+from pipelinerl.rewards.pool import TIMEOUT_KEY, function_ref, to_result
 from pipelinerl.rewards.result import RewardResult
 from pipelinerl.tasks.base import SAMPLING_KEY, SAMPLING_OVERRIDES, is_multi_turn, split_by_weight
 
@@ -48,12 +51,18 @@ class MixTask:
     def __init__(self, domains: dict[str, dict[str, Any]], num_train: int | None = None, seed: int = 0):
         if not domains:
             raise ValueError("domains must name at least one domain: {name: {task: ..., weight: ..., args: {...}}}")
-        self.tasks, self.weights, self.reward_refs, self.sampling = {}, {}, {}, {}
+        self.tasks, self.weights, self.reward_refs, self.sampling, self.timeouts = {}, {}, {}, {}, {}
         for name, spec in domains.items():
-            unknown = set(spec) - {"task", "weight", "args", "sampling"}
+            unknown = set(spec) - {"task", "weight", "args", "sampling", TIMEOUT_KEY}
             if unknown or "task" not in spec:
-                raise ValueError(f"domains.{name}: takes task (required), weight, args and sampling, got "
-                                 f"{sorted(spec)}")
+                raise ValueError(f"domains.{name}: takes task (required), weight, args, sampling and "
+                                 f"{TIMEOUT_KEY}, got {sorted(spec)}")
+            timeout = spec.get(TIMEOUT_KEY)
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                        or timeout <= 0):
+                raise ValueError(f"domains.{name}.{TIMEOUT_KEY} must be a number of seconds > 0, got {timeout!r}")
+            if timeout is not None:
+                self.timeouts[name] = float(timeout)
             sampling = dict(spec.get("sampling") or {})
             stray = sorted(set(sampling) - set(SAMPLING_OVERRIDES))
             if stray:
@@ -90,6 +99,8 @@ class MixTask:
                   REWARD_KEY: self.reward_refs[name]}
         if self.sampling[name]:
             tagged[SAMPLING_KEY] = self.sampling[name]
+        if name in self.timeouts:
+            tagged[TIMEOUT_KEY] = self.timeouts[name]  # the reward pool bounds this problem's check by it
         return tagged
 
     def train_problems(self) -> list[dict]:
