@@ -125,9 +125,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     # `pipelinerl data orz`: ORZ's public data, fetched and checked against pinned checksums
     from pipelinerl import data as data_cmd
 
-    dat = sub.add_parser("data", help="fetch and verify public datasets (orz: Open-Reasoner-Zero's)",
+    dat = sub.add_parser("data", help="fetch and verify public datasets (orz: Open-Reasoner-Zero's; prorl: the "
+                                      "sources of recipes/prorl_1p5b.yaml)",
                          description=data_cmd.__doc__.split("\n\n")[0] + " Each file is checked against a pinned "
-                         "checksum before it is kept; --check verifies without downloading.",
+                         "checksum before it is kept; --check verifies without downloading. `pipelinerl data prorl`: "
+                         "ProRL's domains from the Hugging Face hub into data/prorl/, each file's sha256 recorded "
+                         "when first written and checked after.",
                          epilog=data_cmd.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     data_cmd.add_arguments(dat)
     dat.set_defaults(func=data_cmd.main)

@@ -226,6 +226,10 @@ def hub_rows(name: str, split: str | None = None, rows_url: str | None = None) -
         query = urllib.parse.urlencode({"dataset": name, "config": chosen["config"], "split": chosen["split"],
                                         "offset": len(rows), "length": 100})
         page = _get_json(f"{base}/rows?{query}")
+        cut = sorted({c for r in page["rows"] for c in r.get("truncated_cells") or []})
+        if cut:  # the viewer shortens cells of large rows to 100 bytes: such rows are not the data
+            raise ValueError(f"the hub's dataset viewer truncates the {', '.join(cut)} cells of {name!r}; install "
+                             "the `datasets` package (pip install datasets), which reads the whole files")
         rows.extend(r["row"] for r in page["rows"])
         if not page["rows"] or len(rows) >= page.get("num_rows_total", 0):
             return rows
@@ -322,25 +326,35 @@ def missing_data_hint(path: str) -> str | None:
                     "ORZ's repository), which needs the hub; without it, drop it from task.args.eval_data")
         also = " (or `make data-orz`)" if command == FETCH_COMMAND else ""
         return f"fetch it with `{command}`{also}"
-    return None
+    from pipelinerl.data_prorl import missing_data_hint as prorl_hint
+
+    return prorl_hint(path)
 
 
 # --- command line --------------------------------------------------------------------------------------------
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dataset", choices=["orz", "model"],
-                   help="orz: Open-Reasoner-Zero's training and eval sets; model NAME: a model of the Hugging Face hub "
-                        "into its cache (HF_HOME), once, as a run's launcher does before any engine starts")
+    from pipelinerl.data_prorl import DEFAULT_OUT as PRORL_OUT
+    from pipelinerl.data_prorl import PRORL_SOURCES
+
+    p.add_argument("dataset", choices=["orz", "prorl", "model"],
+                   help="orz: Open-Reasoner-Zero's training and eval sets; prorl: the hub sources of "
+                        "recipes/prorl_1p5b.yaml's domains (pipelinerl/data_prorl.py); model NAME: a model of the "
+                        "Hugging Face hub into its cache (HF_HOME), once, as a run's launcher does before any engine "
+                        "starts")
     p.add_argument("name", nargs="?", default=None, help="with `model`: the hub name, e.g. Qwen/Qwen2.5-7B")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"directory to fill (default: {DEFAULT_OUT})")
+    p.add_argument("--out", default=None,
+                   help=f"directory to fill (default: {DEFAULT_OUT} for orz, {PRORL_OUT} for prorl)")
     p.add_argument("--check", action="store_true",
                    help="verify the files already there against their pins and SHA256SUMS; download nothing")
     p.add_argument("--base-url", default=None,
                    help=f"where ORZ's repository files are (default: ${BASE_URL_ENV}, else {DEFAULT_BASE_URL})")
+    names = [f.name for f in ORZ_FILES] + ["aime2025"]
     p.add_argument("--only", action="append", default=None, metavar="NAME",
-                   choices=[f.name for f in ORZ_FILES] + ["aime2025"],
-                   help="fetch only this file (repeatable): " + ", ".join(f.name for f in ORZ_FILES) + ", aime2025")
+                   choices=names + [s.name for s in PRORL_SOURCES],
+                   help="fetch only this file (repeatable): orz: " + ", ".join(names) + "; prorl: "
+                        + ", ".join(s.name for s in PRORL_SOURCES))
     p.add_argument("--aime2025", default=AIME2025_DEFAULT, metavar="SOURCE",
                    help="Hugging Face dataset (name or name:split) or local JSON/JSONL file for AIME 2025, which "
                         f"is not in ORZ's repository (default: {AIME2025_DEFAULT}); needs a reachable hub")
@@ -381,10 +395,22 @@ def main(args: argparse.Namespace) -> int:
     if args.dataset == "model":
         return fetch_model_main(args.name)
     if args.name is not None:
-        print(f"pipelinerl data orz: takes no name (got {args.name!r})", file=sys.stderr)
+        print(f"pipelinerl data {args.dataset}: takes no name (got {args.name!r})", file=sys.stderr)
         return 2
-    out = Path(args.out)
     only = set(args.only or [])
+    if args.dataset == "prorl":
+        from pipelinerl import data_prorl
+
+        stray = only - {s.name for s in data_prorl.PRORL_SOURCES}
+        if stray:
+            print(f"pipelinerl data prorl: --only {', '.join(sorted(stray))} is not one of its files", file=sys.stderr)
+            return 2
+        return data_prorl.main(Path(args.out or data_prorl.DEFAULT_OUT), only, args.check)
+    out = Path(args.out or DEFAULT_OUT)
+    stray = only - {f.name for f in ORZ_FILES} - {"aime2025"}
+    if stray:
+        print(f"pipelinerl data orz: --only {', '.join(sorted(stray))} is not one of its files", file=sys.stderr)
+        return 2
     files = [f for f in ORZ_FILES if not only or f.name in only]
     want_aime2025 = not args.no_aime2025 and (not only or "aime2025" in only)
     if args.check:

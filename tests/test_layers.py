@@ -20,7 +20,8 @@ LAYERS: list[list[str]] = [
     ["rewards"],  # scoring answers, in worker processes
     ["tasks"],  # problems, prompts and their verifiers; multi-turn rollouts (tasks/workflow.py)
     ["engines", "trainer"],  # the two sides of a weight update
-    ["actor", "train", "serve", "eval", "conformance", "data", "plot", "placement", "nodes"],  # process roles
+    # process roles
+    ["actor", "train", "serve", "eval", "conformance", "data", "data_prorl", "plot", "placement", "nodes"],
     ["launch", "plan", "gpu_setup", "cli"],  # what a user runs
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
