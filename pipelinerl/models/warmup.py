@@ -16,20 +16,25 @@ def supervised_warmup(model: torch.nn.Module, tokenizer, examples: list[tuple[st
     """Train on (prompt, target) pairs with cross-entropy on the target tokens only; returns the losses.
 
     Sequences are right-padded within a batch; the loss mask covers the target (and its EOS) so the model
-    learns to answer, not to predict prompts. It trains where the model's parameters are (a GPU, if the caller put
-    it there).
+    learns to answer, not to predict prompts. A batch is drawn from one of `length_buckets(...)`, equal shares of
+    the examples by length, chosen uniformly: every example is as likely as without buckets, but a batch is as wide
+    as its own bucket's longest (a mix of 12-character sums and 150-character instructions would otherwise pad
+    every sum to 150). It trains where the model's parameters are (a GPU, if the caller put it there).
     """
     device = next(model.parameters()).device
     rng = random.Random(seed)
     torch.manual_seed(seed)
     encoded = [(tokenizer.encode(p), tokenizer.encode(t) + [tokenizer.eos_token_id]) for p, t in examples]
+    buckets = length_buckets([len(p) + len(t) for p, t in encoded], batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     model.train()
     losses = []
     bar = tqdm(range(steps), desc="supervised warm-up", unit="step", disable=not progress, mininterval=1.0)
     for step in bar:
-        batch = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        bucket = buckets[rng.randrange(len(buckets))] if len(buckets) > 1 else None  # one: the draws as before
+        batch = [encoded[rng.randrange(len(encoded))] if bucket is None else encoded[bucket[rng.randrange(len(bucket))]]
+                 for _ in range(batch_size)]
         width = max(len(p) + len(t) for p, t in batch)
         ids = torch.full((batch_size, width), tokenizer.pad_token_id)
         labels = torch.full((batch_size, width), -100)
@@ -49,6 +54,16 @@ def supervised_warmup(model: torch.nn.Module, tokenizer, examples: list[tuple[st
             on_step(step, losses[-1])
     model.eval()
     return losses
+
+
+def length_buckets(lengths: list[int], batch_size: int, most: int = 8) -> list[list[int]]:
+    """The indices of `lengths` sorted by length and cut into up to `most` equal shares (no share under
+    `batch_size` examples; one share when all are about as long, within 25%: buckets would save nothing)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    if not order or lengths[order[-1]] <= 1.25 * lengths[order[0]]:
+        return [order]
+    count = max(1, min(most, len(order) // max(1, batch_size)))
+    return [order[k * len(order) // count:(k + 1) * len(order) // count] for k in range(count)]
 
 
 def warm_up_saved_model(path: str, examples: list[tuple[str, str]], steps: int, batch_size: int, lr: float,
