@@ -9,7 +9,9 @@ Read in this order, each module using only those before it:
 - memory: one trainer rank's and one engine GPU's memory, and the rules behind every figure
 - fit: the `Plan` (placement, memory per GPU and per node, problems, warnings) and `make_plan`
 - suggestions: the changes that would make a recipe fit, each tried by planning again
-- report: the plan as text or JSON
+- forecast: `--time`, one RL step's and the run's time and cost on an accelerator (published figures, or this
+  machine's measured for a CPU recipe), from the plan and stated assumptions
+- report: the plan (and the forecast) as text or JSON
 - cli: the command line (`pipelinerl plan`)
 
 This module only gathers the names used from outside the package. (`make_plan` imports `suggestions` when it is
@@ -19,6 +21,19 @@ gathered here, where its name would hide the module of the same name.)
 
 from pipelinerl.plan.cli import add_arguments, check_flags, cluster_of, machine_host_memory_gib, main
 from pipelinerl.plan.fit import HOST_PROCESS_GIB, Cluster, GpuUse, Plan, Suggestion, host_memory, make_plan, place
+from pipelinerl.plan.forecast import (
+    ACCELERATORS,
+    GPU_KINDS,
+    Accelerator,
+    Assumptions,
+    Forecast,
+    accelerator,
+    assumptions,
+    default_gpu,
+    forecast,
+    forecast_to_json,
+    probe_cpu,
+)
 from pipelinerl.plan.memory import (
     ENGINE_OVERHEAD_GIB,
     ENGINE_PREFILL_TOKENS,
@@ -36,7 +51,7 @@ from pipelinerl.plan.memory import (
     layer_activation_bytes,
     trainer_memory,
 )
-from pipelinerl.plan.report import format_plan, plan_to_json
+from pipelinerl.plan.report import format_forecast, format_plan, plan_to_json
 from pipelinerl.plan.shapes import (
     QWEN25_CONFIGS,
     ModelShape,
@@ -50,6 +65,18 @@ from pipelinerl.plan.suggestions import minimum_gpu_memory
 from pipelinerl.plan.units import DTYPE_BYTES, GIB, MIB
 
 __all__ = [
+    "ACCELERATORS",
+    "GPU_KINDS",
+    "Accelerator",
+    "Assumptions",
+    "Forecast",
+    "accelerator",
+    "assumptions",
+    "default_gpu",
+    "forecast",
+    "forecast_to_json",
+    "format_forecast",
+    "probe_cpu",
     "DTYPE_BYTES",
     "ENGINE_OVERHEAD_GIB",
     "ENGINE_PREFILL_TOKENS",

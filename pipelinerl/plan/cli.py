@@ -1,5 +1,7 @@
-"""`pipelinerl plan RECIPE [overrides] [--nodes N --gpus-per-node G --gpu-memory GIB --host-memory GIB --json]`:
-its arguments, the cluster they describe, and `main`, which plans the recipe and prints the plan."""
+"""`pipelinerl plan RECIPE [overrides] [--nodes N --gpus-per-node G --gpu-memory GIB --host-memory GIB --json]
+[--time --gpu h100|h200|a100|cpu --mean-answer-tokens T --mean-prompt-tokens T --mfu F --mbu F --usd-per-gpu-hour X]`:
+its arguments, the cluster they describe, and `main`, which plans the recipe and prints the plan (and, with
+`--time`, the forecast of a step and of the run: `forecast`)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from pathlib import Path
 
 from pipelinerl.config import ConfigError, RunConfig, load_config, resolve_for_machine
 from pipelinerl.placement import listed_gpus
-from pipelinerl.plan.fit import Cluster, make_plan
-from pipelinerl.plan.report import format_plan, plan_to_json
+from pipelinerl.plan.fit import Cluster, Plan, make_plan
+from pipelinerl.plan.forecast import GPU_KINDS, Forecast, accelerator, assumptions, default_gpu, forecast
+from pipelinerl.plan.forecast import forecast_to_json as forecast_json
+from pipelinerl.plan.report import format_forecast, format_plan, plan_to_json
 from pipelinerl.plan.units import GIB
 
 
@@ -25,6 +29,22 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-memory", type=float, default=None, metavar="GIB",
                         help="host memory per node in GiB (default: this machine's; 0: not checked)")
     parser.add_argument("--json", action="store_true", default=None, help="print the plan as JSON")
+    # the forecast: any of its flags asks for it
+    parser.add_argument("--time", action="store_true", default=None,
+                        help="also forecast one RL step and the whole run: seconds, samples/s, GPU-hours, cost")
+    parser.add_argument("--gpu", default=None, metavar="KIND",
+                        help=f"the accelerator forecast for: {', '.join(GPU_KINDS)} (cpu: this machine, measured in "
+                             "about a second; default: h100, h200 for GPUs of more than 80 GiB, cpu for a CPU recipe)")
+    parser.add_argument("--mean-answer-tokens", type=int, default=None, metavar="T",
+                        help="expected mean answer length (default: half of sampling.max_new_tokens)")
+    parser.add_argument("--mean-prompt-tokens", type=int, default=None, metavar="T",
+                        help="expected mean prompt length (default: 256, at most half the prompt room)")
+    parser.add_argument("--mfu", type=float, default=None, metavar="F",
+                        help="model-FLOPs utilisation of training and prefill (default: 0.4 on GPUs)")
+    parser.add_argument("--mbu", type=float, default=None, metavar="F",
+                        help="fraction of memory bandwidth a decode step reaches (default: 0.7 on GPUs)")
+    parser.add_argument("--usd-per-gpu-hour", type=float, default=None, metavar="X",
+                        help="price of a GPU-hour (a core-hour on CPU), for the run's cost")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +65,33 @@ def _flags_among_overrides(args: argparse.Namespace) -> None:
     unknown = [x for x in rest if x.startswith("-")]
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown option (the options are --nodes, --gpus-per-node, --gpu-memory, "
-                          "--host-memory, --json)")
+                          f"--host-memory, --json, {', '.join(TIME_FLAGS)})")
     args.overrides = rest
+
+
+TIME_FLAGS = ("--time", "--gpu", "--mean-answer-tokens", "--mean-prompt-tokens", "--mfu", "--mbu",
+              "--usd-per-gpu-hour")
+
+
+def _wants_forecast(args: argparse.Namespace) -> bool:
+    return any(getattr(args, flag.lstrip("-").replace("-", "_"), None) is not None for flag in TIME_FLAGS)
+
+
+def forecast_of(args: argparse.Namespace, cfg: RunConfig, plan: Plan) -> Forecast:
+    """The forecast the flags ask for. Raises ConfigError naming a bad flag."""
+    kind = args.gpu or default_gpu(cfg)
+    if kind not in GPU_KINDS:
+        raise ConfigError(f"--gpu: must be one of {', '.join(GPU_KINDS)}, got {kind!r}")
+    if plan.on_gpu and kind == "cpu":
+        raise ConfigError("--gpu: cpu forecasts a CPU recipe, and this one places GPUs (--gpus-per-node 0 plans it "
+                          "on CPU)")
+    if not plan.on_gpu and kind != "cpu":
+        raise ConfigError(f"--gpu: {kind} forecasts GPUs, and this is a CPU recipe (resources.gpus_per_node 0); "
+                          "leave --gpu out (cpu: this machine) or plan GPUs with --gpus-per-node and --gpu-memory")
+    acc = accelerator(kind)
+    given = assumptions(cfg, acc, args.mean_answer_tokens, args.mean_prompt_tokens, args.mfu, args.mbu,
+                        args.usd_per_gpu_hour)
+    return forecast(cfg, plan, acc, given)
 
 
 def check_flags(nodes: int | None, gpus: int | None, memory: float | None) -> None:
@@ -95,11 +140,18 @@ def main(args: argparse.Namespace) -> int:
         cluster = dataclasses.replace(cluster_of(cfg), host_memory_gib=host, host_memory_guessed=guessed)
         cfg, _ = resolve_for_machine(cfg, cluster.gpus_per_node)  # the report names the dtype it planned
         plan = make_plan(cfg, cluster)
+        predicted = forecast_of(args, cfg, plan) if _wants_forecast(args) else None
     except ConfigError as e:
         print(f"pipelinerl plan: config error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_to_json(plan, cfg), indent=2))
+        data = plan_to_json(plan, cfg)
+        if predicted is not None:
+            data["forecast"] = forecast_json(predicted)
+        print(json.dumps(data, indent=2))
     else:
         print(format_plan(plan, cfg, args.recipe))
+        if predicted is not None:
+            print()
+            print(format_forecast(predicted))
     return 0 if plan.fits else 1

@@ -9,6 +9,7 @@ from typing import Any
 from pipelinerl.config import RunConfig
 from pipelinerl.placement import NodePlan
 from pipelinerl.plan.fit import GpuUse, Plan, _describe_roles, _role_kind
+from pipelinerl.plan.forecast import Forecast
 from pipelinerl.plan.memory import (
     ENGINE_OVERHEAD_GIB,
     ENGINE_PREFILL_TOKENS,
@@ -292,3 +293,83 @@ def plan_to_json(plan: Plan, cfg: RunConfig) -> dict[str, Any]:
         "warnings": plan.warnings,
         "suggestions": [dataclasses.asdict(x) for x in plan.suggestions],
     }
+
+
+def _duration(seconds: float) -> str:
+    """Seconds in the unit that reads best: 850 ms, 41.2 s, 12.5 min, 9.3 h, 4.2 days."""
+    for scale, unit in ((86400, "days"), (3600, "h"), (60, "min")):
+        if seconds >= 2 * scale:
+            return f"{seconds / scale:.1f} {unit}"
+    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms"
+
+
+def _flops(x: float) -> str:
+    for scale, unit in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP")):
+        if x >= scale:
+            return f"{x / scale:,.1f} {unit}"
+    return f"{x:,.0f} FLOP"
+
+
+def _seconds(x: float) -> str:
+    if x >= 1:
+        return f"{x:,.1f}"
+    return f"{x:.3f}" if x >= 0.001 else f"{x:.1e}"
+
+
+def _bytes(x: float) -> str:
+    """Decimal units, as the vendors' bandwidths are."""
+    return f"{x / 1e9:.1f} GB" if x >= 1e9 else f"{x / 1e6:.1f} MB"
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n:,} {what}{'' if n == 1 else 's'}"
+
+
+def format_forecast(f: Forecast) -> str:
+    """The forecast of one RL step and of the run, as text (`pipelinerl plan --time`)."""
+    a, acc = f.assumptions, f.accelerator
+    unit = acc.unit
+    out = [f"forecast (--time): {acc.name}; {acc.source}",
+           f"  assumed: answers of {a.mean_answer_tokens:,} tokens on average ({a.answer_source}; "
+           f"--mean-answer-tokens), prompts of {a.mean_prompt_tokens:,} ({a.prompt_source}; --mean-prompt-tokens)",
+           f"  assumed: MFU {a.mfu:g} (--mfu), decode at {a.mbu:g} of the memory bandwidth (--mbu), links at "
+           f"{a.link_efficiency:g} of their peak. Assumptions, not measurements: the answer length above all, which "
+           "grows during a reasoning run"]
+    out.append(f"  engines: {f.engines} x {_plural(f.devices_per_engine, unit)}, {f.running_per_engine} sequences "
+               f"decoding at once each (bound: "
+               f"{f.running_bound}); a decode step {f.decode_step_s * 1e3:.1f} ms, "
+               f"{'memory' if f.decode_memory_bound else 'compute'}-bound ({_bytes(f.decode_step_bytes)} read "
+               f"per step per engine)")
+    if f.pipelined:
+        how = "pipelined (actor.max_lag > 0): max(generate, train) + broadcast"
+    elif f.colocated:
+        how = "engines on the trainer's GPUs, taking turns: generate + train + broadcast"
+    else:
+        how = "synchronous (actor.max_lag 0): generate + train + broadcast"
+    rows: list[tuple[str, str, list[str]]] = [
+        ("  generate", f"{f.samples_per_step} samples on {_plural(f.engines, 'engine')}", [_seconds(f.generate_s)]),
+        ("    prefill", "2N FLOPs per prompt token", [_seconds(f.prefill_s)]),
+        ("    decode", "weights + KV cache read per decode step", [_seconds(f.decode_s)]),
+        ("  train", f"{_flops(f.train_flops)} on {_plural(f.trainer_devices, unit)}", [_seconds(f.train_s)])]
+    total = f.train_flops or 1.0
+    for what, note, flops in f.train_parts:
+        rows.append((f"    {what}", f"{flops / total:.0%}: {note}", [_seconds(f.train_s * flops / total)]))
+    rows.append(("  broadcast", f"{_bytes(f.update_bytes)} over {f.link}", [_seconds(f.broadcast_s)]))
+    if f.gather_s:
+        rows.append(("    gather", "ZeRO-3/FSDP all-gather, pipelined with the send", [_seconds(f.gather_s)]))
+        rows.append(("    send", "to every engine GPU", [_seconds(f.send_s)]))
+    rows.append(("  step", how, [_seconds(f.step_s)]))
+    out.extend(_table("  one RL step, seconds", [""], rows))
+    out.append(f"  throughput: {f.samples_per_s:,.1f} samples/s, {f.generated_tokens_per_s:,.0f} generated tokens/s; "
+               f"{f.bottleneck} is the longer side (the engines busy {min(1.0, f.generate_s / f.step_s):.0%} of a "
+               f"step, the trainer {min(1.0, f.train_s / f.step_s):.0%})")
+    cost = f", ${f.cost_usd:,.0f} at ${a.usd_per_device_hour:g} per {unit}-hour" if f.cost_usd is not None else \
+        " (--usd-per-gpu-hour for its cost)"
+    out.append(f"  run: {f.steps} steps (trainer.max_steps): {_duration(f.run_s)} wall-clock, "
+               f"{f.device_hours:,.1f} {unit}-hours ({_plural(f.devices, unit)} held){cost}")
+    for note in f.notes:
+        out.append(f"  note: {note}")
+    out.append("  not counted: evaluations (trainer.eval_every), checkpoints, the engines' start, tensor-parallel "
+               "all-reduces, scheduling overhead, regenerated groups (dynamic sampling), skipped samples "
+               "(trainer.skip_zero_advantage)")
+    return "\n".join(out)
