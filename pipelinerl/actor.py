@@ -93,8 +93,8 @@ class RunStalled(RuntimeError):
 
 
 class PoolSolved(Exception):
-    """Every training problem was retired as solved (actor.retire_solved): the actor exits with POOL_SOLVED_EXIT and
-    the launcher ends the run as a success."""
+    """Every training problem was retired as solved (actor.retire_solved), or all but a few that keep coming back all
+    wrong: the actor exits with POOL_SOLVED_EXIT and the launcher ends the run as a success."""
 
 
 class Actor:
@@ -141,7 +141,9 @@ class Actor:
         self.launch_id = uuid.uuid4().hex[:8]
         self.dropped_in_a_row = 0
         self.stalled: str | None = None  # why the run cannot go on (dynamic sampling keeps dropping every group)
-        self.pool_solved = False  # every training problem retired as solved: the run is over, and it succeeded
+        # every training problem retired as solved, or all but a few that keep coming back all wrong: the run is
+        # over, and it succeeded
+        self.pool_solved = False
         self.down_until: dict[str, float] = {}  # engine URL -> until when it is not sent requests
 
     # --- the loop --------------------------------------------------------------------------------------------
@@ -284,7 +286,19 @@ class Actor:
                     self._save_state()
                 return
             self.dropped_in_a_row += 1
-            if self.dropped_in_a_row >= self.max_dropped_in_a_row > 0 and self.stalled is None:
+            left = len(self.problems) - len(self.retired)
+            if self.dropped_in_a_row >= self.max_dropped_in_a_row > 0 and self.retired and 2 * left <= \
+                    self.dropped_in_a_row:
+                # not a collapse: all but a few problems are solved and retired, and each of those few came back all
+                # wrong at least twice (on average) in this run of drops: nothing left that the policy can learn from
+                if not self.pool_solved:
+                    log.info("dynamic sampling dropped %d groups in a row whose answers were all wrong, all of them "
+                             "on the %d training problems not yet solved (%d of %d are retired as solved, "
+                             "actor.retire_solved): they are out of this policy's reach, and nothing else is left to "
+                             "learn from; the run ends here", self.dropped_in_a_row, left, len(self.retired),
+                             len(self.problems))
+                self.pool_solved = self.done = True
+            elif self.dropped_in_a_row >= self.max_dropped_in_a_row > 0 and self.stalled is None:
                 self.stalled = (
                     f"dynamic sampling dropped {self.dropped_in_a_row} groups in a row whose answers were all wrong "
                     f"(since this actor started: {self.counts['groups_dropped_all_wrong']} all wrong, "
