@@ -310,6 +310,15 @@ def check(out: Path, files: Iterable[DataFile] = ORZ_FILES, aime2025: bool = Tru
     return lines, ok
 
 
+def report_check(lines: list[str], ok: bool, out: Path, command: str, default_out: str) -> int:
+    """Print `check`'s lines (and, when something is missing or wrong, the command that fetches it); the exit code."""
+    print("\n".join(lines))
+    if not ok:
+        print(f"{out}: not complete; `{command}" + ("" if str(out) == default_out else f" --out {out}")
+              + "` fetches what is missing", file=sys.stderr)
+    return 0 if ok else 1
+
+
 def missing_data_hint(path: str) -> str | None:
     """For a data path that is one of `pipelinerl data orz`'s files (data/orz/eval/aime2024.json, or the same names
     under another directory), the command that fetches it; None for any other path. Whether the path exists is
@@ -414,12 +423,7 @@ def main(args: argparse.Namespace) -> int:
     files = [f for f in ORZ_FILES if not only or f.name in only]
     want_aime2025 = not args.no_aime2025 and (not only or "aime2025" in only)
     if args.check:
-        lines, ok = check(out, files, want_aime2025)
-        print("\n".join(lines))
-        if not ok:
-            print(f"{out}: not complete; `{FETCH_COMMAND}" + ("" if str(out) == DEFAULT_OUT else f" --out {out}")
-                  + "` fetches what is missing", file=sys.stderr)
-        return 0 if ok else 1
+        return report_check(*check(out, files, want_aime2025), out, FETCH_COMMAND, DEFAULT_OUT)
     base_url = args.base_url or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL
     out.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(out)

@@ -25,7 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelinerl.data import MANIFEST, DataError, file_hashes, hub_rows, read_manifest, record
+from pipelinerl import data
+from pipelinerl.data import MANIFEST, DataError, DataFile, file_hashes, hub_rows, mismatch, read_manifest, record
 
 DEFAULT_OUT = "data/prorl"
 FETCH_COMMAND = "pipelinerl data prorl"
@@ -40,6 +41,11 @@ class HubSource:
     @property
     def name(self) -> str:
         return Path(self.dest).stem
+
+    @property
+    def file(self) -> DataFile:
+        """As `pipelinerl data orz`'s checks see it: a file pinned by nothing but its SHA256SUMS line."""
+        return DataFile(self.dest, "")
 
 
 PRORL_SOURCES: tuple[HubSource, ...] = (
@@ -65,15 +71,13 @@ def fetch_source(source: HubSource, out: Path, manifest: dict[str, str]) -> str:
     Raises DataError naming the file and what to do."""
     dest = out / source.dest
     if dest.exists():
-        sha256, _ = file_hashes(dest)
-        recorded = manifest.get(source.dest)
-        if recorded is None:  # put there by hand: taken as it is, and recorded from now on
+        problem, sha256 = mismatch(source.file, dest, manifest)
+        if problem is not None:
+            raise DataError(f"{problem}: the file changed since it was fetched. Delete it (and its line in "
+                            f"{MANIFEST}) to fetch it again, or put the original back")
+        if source.dest not in manifest:  # put there by hand: taken as it is, and recorded from now on
             record(out, source.dest, sha256)
             return f"ok       {source.dest} (already there; its sha256 is now recorded in {MANIFEST})"
-        if recorded != sha256:
-            raise DataError(f"{source.dest}: sha256 {sha256}, but {recorded} was recorded in {MANIFEST} when it was "
-                            "fetched: the file changed since. Delete it (and its line in SHA256SUMS) to fetch it "
-                            "again, or put the original back")
         return f"ok       {source.dest} (already there, matches {MANIFEST})"
     try:
         rows = read_rows(source)
@@ -99,24 +103,7 @@ def fetch_source(source: HubSource, out: Path, manifest: dict[str, str]) -> str:
 
 def check(out: Path, sources: tuple[HubSource, ...] = PRORL_SOURCES) -> tuple[list[str], bool]:
     """(one line per file, whether every one is there and matches SHA256SUMS), fetching nothing."""
-    manifest = read_manifest(out)
-    lines, ok = [], True
-    for source in sources:
-        path = out / source.dest
-        if not path.exists():
-            ok = False
-            lines.append(f"missing  {source.dest}")
-            continue
-        sha256, _ = file_hashes(path)
-        recorded = manifest.get(source.dest)
-        if recorded is None:
-            lines.append(f"present  {source.dest} (not in {MANIFEST}: unverified)")
-        elif recorded != sha256:
-            ok = False
-            lines.append(f"MISMATCH {source.dest}: sha256 {sha256}, expected {recorded} (recorded in {MANIFEST})")
-        else:
-            lines.append(f"ok       {source.dest} (sha256 matches {MANIFEST})")
-    return lines, ok
+    return data.check(out, [s.file for s in sources], aime2025=False)
 
 
 def missing_data_hint(path: str) -> str | None:
@@ -132,12 +119,7 @@ def missing_data_hint(path: str) -> str | None:
 def main(out: Path, only: set[str], check_only: bool) -> int:
     sources = tuple(s for s in PRORL_SOURCES if not only or s.name in only)
     if check_only:
-        lines, ok = check(out, sources)
-        print("\n".join(lines))
-        if not ok:
-            print(f"{out}: not complete; `{FETCH_COMMAND}" + ("" if str(out) == DEFAULT_OUT else f" --out {out}")
-                  + "` fetches what is missing", file=sys.stderr)
-        return 0 if ok else 1
+        return data.report_check(*check(out, sources), out, FETCH_COMMAND, DEFAULT_OUT)
     manifest = read_manifest(out)
     failed = 0
     for source in sources:  # one source out of reach does not stop the others

@@ -31,6 +31,14 @@ class _Quiet(SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
+    def reply_json(self, body: dict) -> None:
+        payload = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
 
 @contextlib.contextmanager
 def serving(directory: Path, handler=None):
@@ -253,12 +261,7 @@ class _RowsAPI(_Quiet):
         else:
             self.send_error(404)
             return
-        payload = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        self.reply_json(body)
 
 
 def test_hub_rows_pages_through_the_dataset_viewer_api(tmp_path):

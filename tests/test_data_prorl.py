@@ -35,12 +35,7 @@ class _Viewer(_Quiet):
             body = {"rows": [{"row_idx": start + i, "row": r,
                               "truncated_cells": ["tests"] if q["dataset"] == "org/big" else []}
                              for i, r in enumerate(page)], "num_rows_total": len(rows)}
-        payload = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        self.reply_json(body)
 
 
 @pytest.fixture
