@@ -32,17 +32,17 @@ def preflight(cfg: RunConfig, recipe: str, node: NodeEnv, gpus: int) -> tuple[li
                           "turn, so the chat template would not be applied; set it to false")
     if cfg.model.chat_template and cfg.model.init == "tiny":
         raise ConfigError("model.chat_template: a tiny model's tokenizer has no chat template; set it to false")
-    budget = getattr(task, "total_time_s", None)  # the code checker's own time for one answer
-    if budget is not None and cfg.reward.timeout_s <= budget:
-        raise ConfigError(f"reward.timeout_s: {cfg.reward.timeout_s:g} s would cut off the checks of an "
-                          f"answer, which may take task.args.total_time_s {budget:g} s; set it above that")
-    for name, domain in getattr(task, "tasks", {}).items():  # a mix's domains, each bounded by its own timeout
+    # the code checker's own time for one answer against the reward pool's bound: the task's, or each mix domain's
+    for name, domain in (getattr(task, "tasks", None) or {None: task}).items():
         budget, own = getattr(domain, "total_time_s", None), getattr(task, "timeouts", {}).get(name)
-        if budget is not None and (own or cfg.reward.timeout_s) <= budget:
-            key = f"task.args.domains.{name}.reward_timeout_s" if own else "reward.timeout_s"
-            raise ConfigError(f"{key}: {own or cfg.reward.timeout_s:g} s would cut off the checks of a {name} answer, "
-                              f"which may take task.args.domains.{name}.args.total_time_s {budget:g} s; set "
-                              f"task.args.domains.{name}.reward_timeout_s above that")
+        bound = own or cfg.reward.timeout_s
+        if budget is None or bound > budget:
+            continue
+        at = f"task.args.domains.{name}." if name else "task."
+        key = f"{at}reward_timeout_s" if own else "reward.timeout_s"
+        raise ConfigError(f"{key}: {bound:g} s would cut off the checks of {f'a {name}' if name else 'an'} answer, "
+                          f"which may take {at}args.total_time_s {budget:g} s; set "
+                          f"{f'{at}reward_timeout_s' if name else 'it'} above that")
     from pipelinerl.tasks.curriculum import curriculum_for
 
     curriculum_for(task, [], cfg.actor, cfg.seed)  # refused by name where it would do nothing (one domain)

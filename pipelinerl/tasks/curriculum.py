@@ -63,13 +63,22 @@ class DomainCurriculum:
         self.pass_rate = {d: float(state.get("pass_rates", {}).get(d, 0.5)) for d in self.base}
         self.draws = int(state.get("draws", 0))
         self._orders: dict[str, tuple[int, list[int]]] = {}
+        self._exhausted: tuple[int, set[str]] = (-1, set())  # (how many were retired, the domains with none left)
 
     def weights(self, retired: Collection[int] = ()) -> dict[str, float]:
         """Each domain's share of the next draw (summing to 1; all 0 once every problem is retired)."""
-        raw = {d: 0.0 if not self.indices[d] or all(i in retired for i in self.indices[d])
-               else w * max(self.floor, pass_rate_factor(self.kind, self.pass_rate[d])) for d, w in self.base.items()}
+        exhausted = self.exhausted(retired)
+        raw = {d: 0.0 if d in exhausted else w * max(self.floor, pass_rate_factor(self.kind, self.pass_rate[d]))
+               for d, w in self.base.items()}
         total = sum(raw.values())
         return {d: w / total if total else 0.0 for d, w in raw.items()}
+
+    def exhausted(self, retired: Collection[int]) -> set[str]:
+        """The domains whose problems are all retired (or that have none), worked out again only when more problems
+        were retired (the actor's retired set only grows): not on every draw, which happens once a group."""
+        if self._exhausted[0] != len(retired):
+            self._exhausted = (len(retired), {d for d, own in self.indices.items() if all(i in retired for i in own)})
+        return self._exhausted[1]
 
     def take(self, retired: Collection[int] = ()) -> int | None:
         """The index (into the task's training problems) of the next problem; None once every one is retired."""
