@@ -40,12 +40,19 @@ def single_domain_recipe(domain: str, base_model: Path, out: Path) -> Path:
     return out
 
 
-def launch(recipe: Path, run_dir: Path, overrides: list[str], timeout_s: int = 7200) -> list[dict]:
+def launch(recipe: Path, run_dir: Path, overrides: list[str], timeout_s: int = 7200) -> tuple[list[dict], str | None]:
+    """The run's metrics rows, and why it failed (None: exit 0). A failed run keeps the rows it wrote, and the
+    comparison goes on: its numbers are reported with the failure beside them."""
     cmd = [sys.executable, "-m", "pipelinerl.cli", "run", str(recipe), f"run_dir={run_dir}", *overrides]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=subprocess_env())
+    failure = None
     if r.returncode != 0:
-        raise RuntimeError(f"run in {run_dir} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        failure = f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"
+        print(f"run in {run_dir} failed ({failure}); its log: {run_dir / 'logs'}\n{r.stderr[-3000:]}",
+              file=sys.stderr, flush=True)
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return rows, failure
 
 
 def held_out(rows: list[dict], domain: str) -> list[tuple[int, float]]:
@@ -73,12 +80,12 @@ def compare(names: list[str], seeds: list[int], steps: int | None) -> dict:
                 overrides = [f"seed={seed}", *extra]
             print(f"== {name}, seed {seed}", flush=True)
             t0 = time.perf_counter()
-            rows = launch(recipe, run_dir, overrides)
+            rows, failure = launch(recipe, run_dir, overrides)
             steps_rows = [r for r in rows if "reward_mean" in r]
             per_domain = {d: held_out(rows, d) for d in (domains() if name == "mix" else [name])}
             results.setdefault(name, {"seeds": {}})["seeds"][seed] = {
                 "held_out": per_domain, "rl_seconds": steps_rows[-1]["time"] if steps_rows else None,
-                "wall_seconds": round(time.perf_counter() - t0, 1), "steps": len(steps_rows)}
+                "wall_seconds": round(time.perf_counter() - t0, 1), "steps": len(steps_rows), "failure": failure}
     out = {"machine": machine(), "recipe": str(RECIPE.relative_to(ROOT)), "seeds": seeds, "results": results}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "compare_domains.json").write_text(json.dumps(out, indent=2) + "\n")
@@ -107,7 +114,9 @@ def table(results: dict) -> str:
             g = gains(results, run, domain)
             ends = [r["held_out"][domain][-1][1] for r in seeds.values() if r["held_out"].get(domain)]
             secs = [r["rl_seconds"] for r in seeds.values() if r["rl_seconds"]]
+            failed = sum(1 for r in seeds.values() if r.get("failure"))
             spread = f" ± {statistics.stdev(g):.1f}" if len(g) > 1 else ""
+            spread += f", {failed} failed" if failed else ""
             lines.append(f"| {domain} | {'with the others' if run == 'mix' else 'alone'} | "
                          f"{statistics.mean(g):+.1f}{spread} ({len(g)} seeds) | "
                          f"{statistics.mean(ends):.3f} | {statistics.mean(secs):.0f} |" if g else
