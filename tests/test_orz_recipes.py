@@ -1,6 +1,7 @@
 """The Open-Reasoner-Zero recipes: they load, their settings are ORZ's where they say so, the cross-checks that
 fail before anything starts, where their processes go, and that a GPU recipe stops at once on this machine."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pipelinerl import cli
 from pipelinerl.config import ConfigError, load_config
 from pipelinerl.launch import gpu_memory_args, missing_data, missing_resources
 from pipelinerl.placement import NodeEnv, plan_node
@@ -98,3 +100,24 @@ def test_a_gpu_recipe_stops_within_seconds_on_a_cpu_machine(tmp_path):
     assert "8 GPUs" in r.stderr and "pipelinerl plan" in r.stderr and "data orz" in r.stderr
     assert not (tmp_path / "run").exists()  # nothing was started or written
     assert time.monotonic() - start < 60  # seconds, not a model load (generous: a loaded 2-core machine)
+
+
+
+@pytest.mark.parametrize("recipe, extra, gib, sequences", [
+    ("orz_7b", [], "67.1 GiB each", "99 sequences"),
+    ("orz_32b", [], "82.5 GiB each", "74 sequences"),
+    ("orz_32b", ["--gpu-memory", "80", "trainer.micro_batch_tokens=10240"], "76.4 GiB each", "30 sequences"),
+    ("orz_1gpu", [], "37.2 GiB in all", "113 sequences"),
+])
+def test_docs_orz_table_holds_the_plans_numbers(capsys, recipe, extra, gib, sequences):
+    """docs/orz.md's hardware column quotes `pipelinerl plan`: a change to a recipe or to the memory model that moves
+    a number fails here, so the page a GPU user sizes a cluster by stays current."""
+    row = next(line for line in (ROOT / "docs" / "orz.md").read_text().splitlines()
+               if line.startswith("|") and f"recipes/{recipe}.yaml" in line)
+    assert gib in row and sequences in row, row
+    assert cli.main(["plan", f"recipes/{recipe}.yaml", *extra, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"], plan["problems"]
+    need = plan["gpus"][0]["need_bytes"]  # node 0, GPU 0: trainer rank 0 (with the engine where they share it)
+    assert f"{need / 2**30:.1f}" == gib.split()[0]
+    assert plan["engine"]["sequences"] == int(sequences.split()[0])
