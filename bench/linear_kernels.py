@@ -8,7 +8,10 @@
 - `step`: seconds of one forward and backward of counting_cpu's model shape (Qwen2, hidden 512, 6 layers,
   vocabulary 100; random weights) on STEP_BATCH rows of STEP_LEN tokens, interleaved rounds of three sides:
   every linear layer through BLAS (`blas`), through oneDNN (`onednn`), and as `trainer.linear_kernel: auto`
-  chooses on this machine (`auto`).
+  chooses on this machine (`auto`);
+- `head`: seconds of the trainer's chunked LM head (`trainer.forward.ChunkedHeadLogprobs`: log-probs and entropy,
+  forward and backward, HEAD_CHUNK rows at a time) on HEAD_ROWS rows of hidden 512 and a HEAD_VOCAB vocabulary,
+  its three products on BLAS against oneDNN (what a routed head uses), interleaved rounds.
 Threads: THREADS (the counting recipe's trainer.threads) unless --threads. Target: `ratio` = blas / auto step
 seconds >= 1, that is, the default never makes a step slower than torch's own path (on a CPU where BLAS wins,
 auto keeps it). Writes bench/results/linear_kernels.json.
@@ -28,6 +31,7 @@ NAME = "linear_kernels"
 THREADS = 2
 TOKENS, REPEATS = 2048, 5
 STEP_BATCH, STEP_LEN, ROUNDS = 16, 256, 5
+HEAD_ROWS, HEAD_HIDDEN, HEAD_VOCAB, HEAD_CHUNK = 2048, 512, 16384, 1024
 SHAPES = {  # (out, in) of each model's linear layers: q, k/v, o, gate/up (each), down
     "counting_cpu (h512)": [(512, 512), (256, 512), (2048, 512), (512, 2048)],
     "Qwen2.5-0.5B (h896)": [(896, 896), (128, 896), (4864, 896), (896, 4864)],
@@ -81,18 +85,44 @@ def step(rounds: int) -> dict:
             "tokens": STEP_BATCH * STEP_LEN}
 
 
+def head(rounds: int, rows: int = HEAD_ROWS) -> dict:
+    from pipelinerl.trainer.forward import ChunkedHeadLogprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(rows, HEAD_HIDDEN, requires_grad=True)
+    weight = (torch.randn(HEAD_VOCAB, HEAD_HIDDEN) / HEAD_HIDDEN**0.5).requires_grad_()
+    targets = torch.randint(0, HEAD_VOCAB, (rows,))
+
+    def side(onednn):
+        def run():
+            hidden.grad = weight.grad = None
+            lp, _ = ChunkedHeadLogprobs.apply(hidden, weight, None, targets, 1.0, HEAD_CHUNK, torch.float32, True,
+                                              False, onednn)
+            lp.sum().backward()
+        return run
+
+    wall, _ = interleaved({"blas": side(False), "onednn": side(True)}, rounds)
+    return {"seconds": {k: round(statistics.median(v), 4) for k, v in wall.items()},
+            "blas_over_onednn_rounds": sorted(round(b / o, 3) for b, o in zip(wall["blas"], wall["onednn"])),
+            "shape": {"rows": rows, "hidden": HEAD_HIDDEN, "vocab": HEAD_VOCAB, "chunk": HEAD_CHUNK}}
+
+
 def run(quick: bool = False, threads: int = THREADS) -> dict:
     torch.set_num_threads(threads)
     rows = products(512 if quick else TOKENS, 2 if quick else REPEATS)
     measured = step(2 if quick else ROUNDS)
+    lm_head = head(2 if quick else ROUNDS, 1024 if quick else HEAD_ROWS)
+    head_ratio = statistics.median(lm_head["blas_over_onednn_rounds"])
     ratio = statistics.median(measured["blas_over_auto_rounds"])
     onednn = statistics.median(b / o for b, o in zip(measured["rounds"]["blas"], measured["rounds"]["onednn"]))
     return {"name": NAME, **verdict(ratio, 1.0),
             "ratio_is": "blas / auto seconds of a forward and backward (median of interleaved rounds)",
             "summary": f"step: blas {measured['seconds']['blas']:.2f} s, onednn {measured['seconds']['onednn']:.2f} s "
                        f"({onednn:.2f}x), auto {measured['seconds']['auto']:.2f} s ({ratio:.2f}x); products "
-                       f"{min(_speedups(rows)):.2f}-{max(_speedups(rows)):.2f}x",
-            "products": rows, "step": measured,
+                       f"{min(_speedups(rows)):.2f}-{max(_speedups(rows)):.2f}x; chunked LM head (vocab "
+                       f"{HEAD_VOCAB}) blas {lm_head['seconds']['blas']:.2f} s, onednn "
+                       f"{lm_head['seconds']['onednn']:.2f} s ({head_ratio:.2f}x)",
+            "products": rows, "step": measured, "head": lm_head,
             "settings": {"threads": threads, "rows": 512 if quick else TOKENS, "step_batch": [STEP_BATCH, STEP_LEN]},
             "machine": machine()}
 

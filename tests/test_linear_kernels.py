@@ -18,7 +18,7 @@ from pipelinerl.rl.packing import build_packed_batch
 from pipelinerl.samples import Sample
 from pipelinerl.trainer import Trainer
 from pipelinerl.trainer import linear_kernels as lk
-from pipelinerl.trainer.forward import packed_logprobs
+from pipelinerl.trainer.forward import ChunkedHeadLogprobs, packed_logprobs, packed_logprobs_and_entropy
 
 pytestmark = pytest.mark.skipif(not onednn_works(torch.device("cpu"), torch.float32),
                                 reason="this torch has no working oneDNN")
@@ -102,6 +102,53 @@ def test_a_routed_model_gives_the_same_logprobs_and_gradients(model_dir):
 
     assert lk.unroute_linears(model) == len(linears)
     assert "OneDNN" not in type(q_proj(torch.randn(2, 64, requires_grad=True)).grad_fn).__name__
+
+
+@pytest.mark.parametrize("bias, entropy_grad", [(True, True), (False, False)])
+def test_the_chunked_head_on_onednn_gives_blas_values_and_gradients(bias, entropy_grad):
+    torch.manual_seed(1)
+    n, hidden_size, vocab, chunk = 23, 48, 300, 8  # three chunks, the last one short
+    hidden, weight = torch.randn(n, hidden_size), torch.randn(vocab, hidden_size) / 7
+    b = torch.randn(vocab) if bias else None
+    targets = torch.randint(0, vocab, (n,))
+
+    def run(onednn):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        bb = b.clone().requires_grad_() if bias else None
+        lp, ent = ChunkedHeadLogprobs.apply(h, w, bb, targets, 0.8, chunk, torch.float32, True, entropy_grad, onednn)
+        (lp * torch.linspace(0.5, 1.5, n)).sum().add((ent * 0.3).sum() if entropy_grad else 0).backward()
+        return [lp.detach(), ent.detach(), h.grad, w.grad] + ([bb.grad] if bias else [])
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_routed_head_multiplies_its_chunks_on_onednn(model_dir, monkeypatch):
+    """The chunked LM head multiplies the head's weight itself (no module call): it follows the layer's routing,
+    forward and backward, and stays on BLAS where the head was not routed."""
+    calls = []
+    real = lk.onednn_linear
+    monkeypatch.setattr(lk, "onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    head = model.get_output_embeddings()
+    batch = build_packed_batch([[1, 5, 9, 13, 2], [1, 7, 7, 30, 31, 32, 2], [1, 4]])
+
+    def grads(chunk):
+        model.zero_grad()
+        lp, _ = packed_logprobs_and_entropy(model, batch, chunk_tokens=chunk, temperature=0.9)
+        lp.sum().backward()
+        return lp.detach(), head.weight.grad.clone()
+
+    want = grads(4)
+    assert calls == []
+    assert lk.route_linears(model, {tuple(head.weight.shape)}) >= 1 and lk.is_routed(head)
+    got = grads(4)
+    # only the head's shape is routed: 11 scored tokens in chunks of 4 make 3 logits products, 2 recomputed in the
+    # backward (the first chunk's are kept), and per chunk one hidden and one weight gradient
+    assert len(calls) == 3 + 2 + 3 + 3, calls
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    lk.unroute_linears(model)
 
 
 def test_choices_by_setting_and_what_is_never_routed(model_dir):

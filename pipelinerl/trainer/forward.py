@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipelinerl.rl.packing import AttentionMode, PackedBatch, packed_model_inputs
+from pipelinerl.trainer import linear_kernels
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,18 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, out: Tensor) -> Tensor:
+def _scaled_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, out: Tensor,
+                   onednn: bool = False) -> Tensor:
     """``out = float32(hidden @ weight^T + bias) / temperature``, the matmul in ``weight``'s dtype (the compute
     dtype): as the LM head under autocast, then the float32 upcast of :func:`logprobs_from_logits`. ``out`` is
-    a reused ``[rows, vocab]`` float32 buffer (fresh ones cost page faults on CPU, allocator churn on GPU)."""
+    a reused ``[rows, vocab]`` float32 buffer (fresh ones cost page faults on CPU, allocator churn on GPU).
+    ``onednn``: the float32 product by oneDNN, where the head's layer was routed there (linear_kernels.py)."""
     with torch.autocast(hidden.device.type, enabled=False):
         rows = hidden.to(weight.dtype)
         if weight.dtype != torch.float32:
             out.copy_(F.linear(rows, weight, bias))
+        elif onednn:  # oneDNN writes a fresh tensor: one [rows, vocab] copy, against rows x hidden MACs per entry
+            out.copy_(linear_kernels.onednn_linear(rows, weight, bias))
         elif bias is None:
             torch.mm(rows, weight.t(), out=out)
         else:
@@ -99,23 +104,26 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     ``compute_dtype`` (the autocast dtype when the caller runs under autocast, else the weight's), the
     softmax in float32. The weight gradient is accumulated over chunks in the weight's dtype (in place when
     that is the compute dtype; else each chunk's ``[V, H]`` product is added, as autocast's cast back did).
+    ``onednn``: the three products (logits, hidden and weight gradients) by oneDNN, float32 only: the choice
+    ``trainer.linear_kernel`` made for the head's layer, which this function multiplies without calling it.
     """
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
                 chunk_tokens: int, compute_dtype: torch.dtype, with_entropy: bool,
-                entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+                entropy_grad: bool = False, onednn: bool = False) -> tuple[Tensor, Tensor]:
         n, vocab = hidden.shape[0], weight.shape[0]
         f32 = {"dtype": torch.float32, "device": hidden.device}
         logprobs, lse = torch.empty(n, **f32), torch.empty(n, **f32)
         entropy = torch.empty(n if with_entropy else 0, **f32)
         w = weight.to(compute_dtype)
         b = bias.to(compute_dtype) if bias is not None else None
+        onednn = onednn and compute_dtype == torch.float32
         rows = min(chunk_tokens, n)
         logits_buf, exp_buf = torch.empty(rows, vocab, **f32), torch.empty(rows, vocab, **f32)
         for start in reversed(range(0, n, chunk_tokens)):  # last to first: see the class docstring
             end = min(start + chunk_tokens, n)
-            logits = _scaled_logits(hidden[start:end], w, b, temperature, logits_buf[:end - start])
+            logits = _scaled_logits(hidden[start:end], w, b, temperature, logits_buf[:end - start], onednn)
             picked = logits.gather(1, targets[start:end, None]).squeeze(1)
             top = logits.amax(1, keepdim=True)
             exp = torch.sub(logits, top, out=exp_buf[:end - start]).exp_()
@@ -128,6 +136,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         ctx.entropy_grad = with_entropy and entropy_grad
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy if ctx.entropy_grad else None)
         ctx.temperature, ctx.chunk_tokens, ctx.compute_dtype = temperature, chunk_tokens, compute_dtype
+        ctx.onednn = onednn
         # the first chunk's logits, untouched since (the softmax went to exp_buf), for the backward to start from
         ctx.first_chunk_logits = logits_buf if n and any(ctx.needs_input_grad[:3]) else None
         if not ctx.entropy_grad:
@@ -165,7 +174,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 if start == 0 and first_ready:  # the forward's own logits of this chunk
                     grad_logits = logits_buf[:end - start]
                 else:
-                    grad_logits = _scaled_logits(rows, w, b, temperature, logits_buf[:end - start])
+                    grad_logits = _scaled_logits(rows, w, b, temperature, logits_buf[:end - start], ctx.onednn)
                 log_p = grad_logits.sub_(lse[start:end, None])
                 if with_h:
                     g_h = grad_h[start:end, None]
@@ -178,15 +187,18 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                     grad_logits.div_(temperature)
                 grad_raw = grad_logits.to(compute)  # the same buffer when computing in float32
                 if need_hidden:
-                    grad_hidden[start:end] = grad_raw @ w
+                    grad_hidden[start:end] = (linear_kernels.onednn_linear(grad_raw, w.t()) if ctx.onednn
+                                              else grad_raw @ w)
                 if need_weight:
-                    if grad_weight.dtype == compute:
+                    if ctx.onednn:  # dz^T @ rows, added: oneDNN writes a fresh [V, H] (one add per chunk)
+                        grad_weight += linear_kernels.onednn_linear(grad_raw.t(), rows.t())
+                    elif grad_weight.dtype == compute:
                         grad_weight.addmm_(grad_raw.t(), rows)
                     else:
                         grad_weight += grad_raw.t() @ rows
                 if need_bias:
                     grad_bias += grad_raw.sum(0)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _compute_dtype(weight: Tensor) -> torch.dtype:
@@ -258,11 +270,14 @@ def packed_logprobs_and_entropy(
     else:  # the output row predicting each target
         before = positions - 1 if index is None else index[positions] - 1
 
+    # the head's layer routed through oneDNN (trainer.linear_kernel) on the CPU: its chunks multiply there too
+    head_on_onednn = linear_kernels.is_routed(head) and head.weight.device.type == "cpu"
+
     def chunked_head(hidden_states: Tensor) -> Tensor:
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])[before]
         logprobs, entropy = ChunkedHeadLogprobs.apply(rows, head.weight, head.bias, targets, temperature,
                                                       chunk_tokens, _compute_dtype(head.weight), with_entropy,
-                                                      entropy_grad)
+                                                      entropy_grad, head_on_onednn)
         return torch.stack([logprobs, entropy], 1) if with_entropy else logprobs[:, None]
 
     with _lm_head_replaced(head, chunked_head) as head_outputs:

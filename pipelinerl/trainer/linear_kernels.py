@@ -151,12 +151,17 @@ def route_linears(model: nn.Module, shapes: set[tuple[int, int]]) -> int:
     return routed
 
 
+def is_routed(module: nn.Module) -> bool:
+    """Whether `route_linears` routed this layer through oneDNN (the chunked LM head multiplies its weight
+    directly, not through the module, and follows the same choice: trainer/forward.py)."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _onednn_forward
+
+
 def unroute_linears(model: nn.Module) -> int:
     """Back to torch's own forward for every layer `route_linears` routed; returns how many."""
     count = 0
     for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if getattr(forward, "__func__", None) is _onednn_forward:
+        if is_routed(module):
             del module.forward
             count += 1
     return count
