@@ -93,8 +93,17 @@ class RunStalled(RuntimeError):
 
 
 class PoolSolved(Exception):
-    """Every training problem was retired as solved (actor.retire_solved), or all but a few that keep coming back all
-    wrong: the actor exits with POOL_SOLVED_EXIT and the launcher ends the run as a success."""
+    """Every training problem was retired as solved (actor.retire_solved), or what is left keeps coming back all
+    wrong on problems this policy has (nearly) never answered right: the actor exits with POOL_SOLVED_EXIT and the
+    launcher ends the run as a success."""
+
+
+# A run of all-wrong groups is a collapse when the policy, as good as it was on those same problems before, would
+# have answered at least this many of their answers right (each problem's own past pass rate; a problem not seen
+# before at the policy's pass rate so far): the chance of none right is then below e^-3, about 5%. Fewer expected:
+# the run is of problems out of the policy's reach, not a policy that lost what it knew.
+COLLAPSE_EXPECTED_RIGHT = 3.0
+HISTORY_SAVE_EVERY = 64  # groups between saves of actor_history.json (a restart loses at most these)
 
 
 class Actor:
@@ -140,6 +149,14 @@ class Actor:
         self.started = time.monotonic()
         self.launch_id = uuid.uuid4().hex[:8]
         self.dropped_in_a_row = 0
+        # each training problem's answers right and answers generated, over the whole run (kept across restarts in
+        # actor_history.json): what tells a policy that lost what it knew from problems it never could answer
+        self.history_path = self.run_dir / "actor_history.json"
+        text = self.history_path.read_text() if self.history_path.exists() else ""
+        self.history: dict[int, list[int]] = {int(k): v for k, v in (json.loads(text) if text.strip() else {}).items()}
+        self.history_unsaved = 0
+        # in the current run of all-wrong drops: the right answers the policy would have given at its past pass rates
+        self.expected_right_in_a_row = 0.0
         self.stalled: str | None = None  # why the run cannot go on (dynamic sampling keeps dropping every group)
         # every training problem retired as solved, or all but a few that keep coming back all wrong: the run is
         # over, and it succeeded
@@ -185,6 +202,7 @@ class Actor:
             await e.aclose()
         self.samples.close()
         self.state_file.close()
+        self._save_history(force=True)
         if self.stalled:
             raise RunStalled(self.stalled)
         if self.pool_solved:
@@ -264,8 +282,14 @@ class Actor:
         under dynamic sampling and count why: a solved problem (all right) is retired from the pool
         (`actor.retire_solved`), and only hopeless groups (all wrong) in a row stop the run, a policy that gets
         nothing right any more; a policy that solves its problems has not collapsed."""
+        right = sum(s.correct for s in samples)
+        past_rate = self._past_pass_rate(index)
+        if index is not None:
+            seen = self.history.setdefault(index, [0, 0])
+            seen[0], seen[1] = seen[0] + right, seen[1] + len(samples)
+            self._save_history()
         self.counts["samples_generated"] += len(samples)
-        self.counts["samples_generated_correct"] += sum(s.correct for s in samples)
+        self.counts["samples_generated_correct"] += right
         domain = samples[0].domain if samples else ""
         if self.curriculum is not None:
             self.curriculum.observe(domain, sum(s.correct for s in samples), len(samples))
@@ -286,35 +310,70 @@ class Actor:
                     self._save_state()
                 return
             self.dropped_in_a_row += 1
-            left = len(self.problems) - len(self.retired)
-            if self.dropped_in_a_row >= self.max_dropped_in_a_row > 0 and self.retired and 2 * left <= \
-                    self.dropped_in_a_row:
-                # not a collapse: all but a few problems are solved and retired, and each of those few came back all
-                # wrong at least twice (on average) in this run of drops: nothing left that the policy can learn from
-                if not self.pool_solved:
-                    log.info("dynamic sampling dropped %d groups in a row whose answers were all wrong, all of them "
-                             "on the %d training problems not yet solved (%d of %d are retired as solved, "
-                             "actor.retire_solved): they are out of this policy's reach, and nothing else is left to "
-                             "learn from; the run ends here", self.dropped_in_a_row, left, len(self.retired),
-                             len(self.problems))
-                self.pool_solved = self.done = True
-            elif self.dropped_in_a_row >= self.max_dropped_in_a_row > 0 and self.stalled is None:
-                self.stalled = (
-                    f"dynamic sampling dropped {self.dropped_in_a_row} groups in a row whose answers were all wrong "
-                    f"(since this actor started: {self.counts['groups_dropped_all_wrong']} all wrong, "
-                    f"{self.counts['groups_dropped_all_correct']} all right, {self.counts['groups_streamed']} kept), "
-                    "so the trainer gets no samples: the policy gets nothing right on these problems any more. "
-                    "Restart from a checkpoint before the collapse with a lower trainer.lr (a run resumes from the "
-                    "newest of RUN_DIR/checkpoints/step_*: move the later ones aside), use easier problems, or raise "
-                    "actor.max_dropped_in_a_row (0: no limit)")
-                self.done = True
+            self.expected_right_in_a_row += past_rate * len(samples)
+            if self.dropped_in_a_row >= self.max_dropped_in_a_row > 0 and not self.done:
+                self._dropped_too_many()
             return
-        self.dropped_in_a_row = 0
+        self.dropped_in_a_row, self.expected_right_in_a_row = 0, 0.0
         self.samples.write_many([s.model_dump() for s in samples])
         self.streamed += len(samples)
         self.counts["groups_streamed"] += 1
         self.counts["samples_streamed"] = self.streamed
         self._save_state()
+
+    def _past_pass_rate(self, index: int | None) -> float:
+        """The share of right answers this policy gave before on problem `index`, or over every problem so far
+        where it has not seen this one (0 before any answer)."""
+        right, total = self.history.get(index, (0, 0)) if index is not None else (0, 0)
+        if total:
+            return right / total
+        generated = self.counts["samples_generated"]
+        return self.counts["samples_generated_correct"] / generated if generated else 0.0
+
+    def _dropped_too_many(self) -> None:
+        """`actor.max_dropped_in_a_row` all-wrong groups in a row: end the run. A success where the policy solved its
+        pool but for problems out of its reach (it never, or hardly ever, answered them right); a stall where it
+        got problems wrong that it used to answer right, or never answered anything right."""
+        left = len(self.problems) - len(self.retired)
+        learnt = bool(self.retired) or any(right for right, _ in self.history.values())
+        if self.retired and 2 * left <= self.dropped_in_a_row:
+            # all but a few problems are solved and retired, and each of those few came back all wrong at least twice
+            # (on average) in this run of drops
+            log.info("dynamic sampling dropped %d groups in a row whose answers were all wrong, all of them on the %d "
+                     "training problems not yet solved (%d of %d are retired as solved, actor.retire_solved): they "
+                     "are out of this policy's reach, and nothing else is left to learn from; the run ends here",
+                     self.dropped_in_a_row, left, len(self.retired), len(self.problems))
+            self.pool_solved = self.done = True
+        elif learnt and self.expected_right_in_a_row < COLLAPSE_EXPECTED_RIGHT:
+            log.info("dynamic sampling dropped %d groups in a row whose answers were all wrong, on problems this "
+                     "policy has hardly ever answered right (at their past pass rates %.1f right answers were to be "
+                     "expected in those groups, against %.0f for a collapse; %d of %d problems are retired as "
+                     "solved): what is left of the pool is out of its reach, not forgotten, and gives nothing to "
+                     "learn from; the run ends here (actor.max_dropped_in_a_row 0 goes on sampling)",
+                     self.dropped_in_a_row, self.expected_right_in_a_row, COLLAPSE_EXPECTED_RIGHT,
+                     len(self.retired), len(self.problems))
+            self.pool_solved = self.done = True
+        else:
+            was = (f"; at their past pass rates {self.expected_right_in_a_row:.0f} of those answers would have been "
+                   "right" if learnt else "")
+            self.stalled = (
+                f"dynamic sampling dropped {self.dropped_in_a_row} groups in a row whose answers were all wrong "
+                f"(since this actor started: {self.counts['groups_dropped_all_wrong']} all wrong, "
+                f"{self.counts['groups_dropped_all_correct']} all right, {self.counts['groups_streamed']} kept{was}), "
+                "so the trainer gets no samples: the policy gets nothing right on these problems any more. "
+                "Restart from a checkpoint before the collapse with a lower trainer.lr (a run resumes from the "
+                "newest of RUN_DIR/checkpoints/step_*: move the later ones aside), use easier problems, or raise "
+                "actor.max_dropped_in_a_row (0: no limit)")
+            self.done = True
+        self._save_history(force=True)
+
+    def _save_history(self, force: bool = False) -> None:
+        self.history_unsaved += 1
+        if force or self.history_unsaved >= HISTORY_SAVE_EVERY:
+            tmp = self.history_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(self.history, separators=(",", ":")))
+            tmp.replace(self.history_path)
+            self.history_unsaved = 0
 
     def _save_state(self) -> None:
         state = {"next_problem": self.next_problem, "streamed_samples": self.streamed, "retired": sorted(self.retired)}

@@ -231,3 +231,56 @@ def test_a_pool_solved_but_for_a_few_hopeless_problems_ends_the_run_as_a_success
     fresh = Actor(load_config(None, [*base[1:], f"run_dir={tmp_path / 'b'}"]), [])
     play(fresh, solved=0)  # 10 unsolved: the policy gets nothing right
     assert not fresh.pool_solved and "dropped 6 groups in a row" in fresh.stalled
+
+
+def test_a_remainder_out_of_reach_ends_the_run_and_forgetting_stalls_it(tmp_path, tiny_model_dir):
+    """What a single-domain IFEval run hit after 0.50 -> 0.975 held-out: most problems retired as solved, hundreds
+    left that the policy never answered right, group after group all wrong. Each problem's own past pass rate tells
+    that remainder (a success) from a policy that now gets wrong the problems it used to answer right (a stall);
+    the history is kept across a restart."""
+    base = [f"model.path={tiny_model_dir}", "sampling.group_size=2", "trainer.samples_per_step=2",
+            "actor.dynamic_sampling=true", "actor.max_dropped_in_a_row=6"]
+    right, wrong = RewardResult(1.0, {"correct": 1.0}), RewardResult(0.0, {"correct": 0.0})
+    learnable, hopeless = list(range(10)), list(range(10, 40))
+
+    def actor_in(run_dir) -> Actor:
+        actor = Actor(load_config(None, [f"run_dir={run_dir}", *base]), [])
+        actor.problems = actor.problems[:40]
+        return actor
+
+    def answer(actor: Actor, index: int, *results: RewardResult) -> None:
+        actor._stream_group([actor._sample("g", [1], [5], [-0.5], [0], "stop", r, {}) for r in results], index)
+
+    def first_pass(actor: Actor) -> None:  # a learnable problem (kept) after every three hopeless ones
+        for i in learnable:
+            for h in hopeless[3 * i:3 * i + 3]:
+                answer(actor, h, wrong, wrong)
+            answer(actor, i, right, wrong)
+        assert not actor.done and actor.dropped_in_a_row == 0
+
+    reach = actor_in(tmp_path / "reach")
+    first_pass(reach)
+    for i in learnable:
+        answer(reach, i, right, right)  # solved: retired
+    for h in hopeless[:5]:
+        answer(reach, h, wrong, wrong)
+    reach.samples.close()
+    reach.state_file.close()
+    reach._save_history(force=True)
+    again = actor_in(tmp_path / "reach")  # a restart keeps the pool and each problem's record
+    assert again.retired == set(learnable) and again.history[10] == [0, 4]
+    answer(again, hopeless[5], wrong, wrong)
+    assert not again.done  # a restart starts a new run of drops: 1 of 6
+    for h in hopeless[6:11]:
+        answer(again, h, wrong, wrong)
+    # 30 left of 40 (the few-left rule does not apply): 6 groups of problems never answered right
+    assert again.pool_solved and again.done and again.stalled is None
+    again.samples.close()
+
+    forgot = actor_in(tmp_path / "forgot")
+    first_pass(forgot)
+    for i in (0, 10, 1, 11, 2, 3):  # four problems answered half right before, now all wrong
+        answer(forgot, i, wrong, wrong)
+    assert not forgot.pool_solved and "dropped 6 groups in a row" in forgot.stalled
+    assert "at their past pass rates 4 of those answers would have been right" in forgot.stalled
+    forgot.samples.close()

@@ -116,9 +116,10 @@ def follow_pipeline(cfg: RunConfig, children: dict[str, subprocess.Popen], urls:
                 progress.show(row)
             if children["actor"].poll() == POOL_SOLVED_EXIT:
                 print(f"pipelinerl: the training problems were solved (all {cfg.sampling.group_size} answers right) "
-                      "and retired (actor.retire_solved), all but any few that kept coming back all wrong, so nothing "
-                      "is left to learn from: the run ends here, its trainer saving a checkpoint (RUN_DIR/logs/"
-                      "actor.log says which)", file=sys.stderr)
+                      "and retired (actor.retire_solved), all but those that keep coming back all wrong and that "
+                      "this policy has hardly ever answered right, so nothing is left to learn from: the run ends "
+                      "here, its trainer saving a checkpoint (RUN_DIR/logs/actor.log says how many were left)",
+                      file=sys.stderr)
                 return
             if children["trainer"].poll() == 0:
                 children["actor"].wait(timeout=60)  # it stops on the trainer's "done" message
