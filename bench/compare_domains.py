@@ -5,13 +5,18 @@
 ("<domain>": the same recipe holding that one domain) for the same number of steps and samples per step, from the
 mix run's own warmed-up base model, so that only the mixing differs. Each domain's held-out accuracy (its own
 benchmark, `eval_<domain>_avg@k`) is compared at the start and the end, with the RL seconds of each run. Writes
-bench/results/compare_domains.json and .png and prints a Markdown table for docs/algorithms.md.
+bench/results/compare_domains.json and .png and prints a Markdown table for docs/domains.md.
+
+A run that finished (exit 0) is recorded in its folder under runs/compare_domains and read back by a later call, so
+a second call runs only what failed or is new (remove runs/compare_domains to start over, as after a change of
+--steps or of the recipe).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,14 +83,25 @@ def compare(names: list[str], seeds: list[int], steps: int | None) -> dict:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 recipe = single_domain_recipe(name, base, run_dir.parent / f"{name}_s{seed}.yaml")
                 overrides = [f"seed={seed}", *extra]
+            record = run_dir / "compare_result.json"
+            if record.exists():  # finished in an earlier call: read back (a failed run is run again, from scratch)
+                print(f"== {name}, seed {seed}: read back from {record}", flush=True)
+                results.setdefault(name, {"seeds": {}})["seeds"][seed] = json.loads(record.read_text())
+                continue
+            if name != "mix" and (run_dir / "metrics.jsonl").exists():
+                shutil.rmtree(run_dir)  # a failed or cut-short run: it would resume from its checkpoint
+                run_dir.mkdir(parents=True)
+                recipe = single_domain_recipe(name, base, run_dir.parent / f"{name}_s{seed}.yaml")
             print(f"== {name}, seed {seed}", flush=True)
             t0 = time.perf_counter()
             rows, failure = launch(recipe, run_dir, overrides)
             steps_rows = [r for r in rows if "reward_mean" in r]
             per_domain = {d: held_out(rows, d) for d in (domains() if name == "mix" else [name])}
-            results.setdefault(name, {"seeds": {}})["seeds"][seed] = {
-                "held_out": per_domain, "rl_seconds": steps_rows[-1]["time"] if steps_rows else None,
-                "wall_seconds": round(time.perf_counter() - t0, 1), "steps": len(steps_rows), "failure": failure}
+            result = {"held_out": per_domain, "rl_seconds": steps_rows[-1]["time"] if steps_rows else None,
+                      "wall_seconds": round(time.perf_counter() - t0, 1), "steps": len(steps_rows), "failure": failure}
+            results.setdefault(name, {"seeds": {}})["seeds"][seed] = result
+            if failure is None:
+                record.write_text(json.dumps(result) + "\n")
     out = {"machine": machine(), "recipe": str(RECIPE.relative_to(ROOT)), "seeds": seeds, "results": results}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "compare_domains.json").write_text(json.dumps(out, indent=2) + "\n")
