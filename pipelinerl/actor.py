@@ -98,11 +98,15 @@ class PoolSolved(Exception):
     launcher ends the run as a success."""
 
 
-# A run of all-wrong groups is a collapse when the policy, as good as it was on those same problems before, would
-# have answered at least this many of their answers right (each problem's own past pass rate; a problem not seen
+# A run of all-wrong groups is a collapse when the policy, as good as it was lately on those same problems, would
+# have answered at least this many of their answers right (each problem's recent pass rate; a problem not seen
 # before at the policy's pass rate so far): the chance of none right is then below e^-3, about 5%. Fewer expected:
 # the run is of problems out of the policy's reach, not a policy that lost what it knew.
 COLLAPSE_EXPECTED_RIGHT = 3.0
+# a problem's recent pass rate: each group's share of right answers weighs this much against the rate before it, so
+# a lucky answer long ago fades in a few visits (one right of 8, then three groups all wrong: 0.008) while a problem
+# answered half right last time counts 0.5
+RECENT_WEIGHT = 0.5
 HISTORY_SAVE_EVERY = 64  # groups between saves of actor_history.json (a restart loses at most these)
 
 
@@ -149,11 +153,12 @@ class Actor:
         self.started = time.monotonic()
         self.launch_id = uuid.uuid4().hex[:8]
         self.dropped_in_a_row = 0
-        # each training problem's answers right and answers generated, over the whole run (kept across restarts in
+        # each training problem's recent pass rate and groups seen, over the whole run (kept across restarts in
         # actor_history.json): what tells a policy that lost what it knew from problems it never could answer
         self.history_path = self.run_dir / "actor_history.json"
         text = self.history_path.read_text() if self.history_path.exists() else ""
-        self.history: dict[int, list[int]] = {int(k): v for k, v in (json.loads(text) if text.strip() else {}).items()}
+        self.history: dict[int, list[float]] = {int(k): v for k, v in
+                                                (json.loads(text) if text.strip() else {}).items()}
         self.history_unsaved = 0
         # in the current run of all-wrong drops: the right answers the policy would have given at its past pass rates
         self.expected_right_in_a_row = 0.0
@@ -284,9 +289,11 @@ class Actor:
         nothing right any more; a policy that solves its problems has not collapsed."""
         right = sum(s.correct for s in samples)
         past_rate = self._past_pass_rate(index)
-        if index is not None:
-            seen = self.history.setdefault(index, [0, 0])
-            seen[0], seen[1] = seen[0] + right, seen[1] + len(samples)
+        if index is not None and samples:
+            rate, groups = self.history.get(index, (0.0, 0))
+            share = right / len(samples)
+            rate = share if not groups else (1 - RECENT_WEIGHT) * rate + RECENT_WEIGHT * share
+            self.history[index] = [round(rate, 6), groups + 1]
             self._save_history()
         self.counts["samples_generated"] += len(samples)
         self.counts["samples_generated_correct"] += right
@@ -322,11 +329,11 @@ class Actor:
         self._save_state()
 
     def _past_pass_rate(self, index: int | None) -> float:
-        """The share of right answers this policy gave before on problem `index`, or over every problem so far
-        where it has not seen this one (0 before any answer)."""
-        right, total = self.history.get(index, (0, 0)) if index is not None else (0, 0)
-        if total:
-            return right / total
+        """This policy's recent pass rate on problem `index` (RECENT_WEIGHT), or its share of right answers over
+        every problem so far where it has not seen this one (0 before any answer)."""
+        rate, groups = self.history.get(index, (0.0, 0)) if index is not None else (0.0, 0)
+        if groups:
+            return rate
         generated = self.counts["samples_generated"]
         return self.counts["samples_generated_correct"] / generated if generated else 0.0
 
@@ -335,7 +342,8 @@ class Actor:
         pool but for problems out of its reach (it never, or hardly ever, answered them right); a stall where it
         got problems wrong that it used to answer right, or never answered anything right."""
         left = len(self.problems) - len(self.retired)
-        learnt = bool(self.retired) or any(right for right, _ in self.history.values())
+        learnt = (bool(self.retired) or self.counts["samples_generated_correct"] > 0
+                  or any(rate > 0 for rate, _ in self.history.values()))
         if self.retired and 2 * left <= self.dropped_in_a_row:
             # all but a few problems are solved and retired, and each of those few came back all wrong at least twice
             # (on average) in this run of drops

@@ -487,7 +487,7 @@ class ActorConfig:
     # nothing right any more gives no signal, and regenerating would go on forever (DAPO's max_num_gen_batches).
     # All-right groups neither count nor reset it (their problems are retired). The run ends as a success instead
     # where what is left is out of the policy's reach rather than forgotten: at most half as many problems as the
-    # groups dropped are left unretired, or at each problem's own past pass rate fewer than 3 of those groups'
+    # groups dropped are left unretired, or at each problem's recent pass rate fewer than 3 of those groups'
     # answers would have been right (COLLAPSE_EXPECTED_RIGHT in pipelinerl/actor.py). None: ten steps' worth of groups
     # (10 * samples_per_step / group_size); 0: never stop
     max_dropped_in_a_row: Optional[int] = None  # noqa: UP045 (omegaconf needs Optional)

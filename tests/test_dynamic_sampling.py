@@ -235,9 +235,9 @@ def test_a_pool_solved_but_for_a_few_hopeless_problems_ends_the_run_as_a_success
 
 def test_a_remainder_out_of_reach_ends_the_run_and_forgetting_stalls_it(tmp_path, tiny_model_dir):
     """What a single-domain IFEval run hit after 0.50 -> 0.975 held-out: most problems retired as solved, hundreds
-    left that the policy never answered right, group after group all wrong. Each problem's own past pass rate tells
+    left that the policy never answered right, group after group all wrong. Each problem's recent pass rate tells
     that remainder (a success) from a policy that now gets wrong the problems it used to answer right (a stall);
-    the history is kept across a restart."""
+    the record is kept across a restart, and a lucky answer long ago fades."""
     base = [f"model.path={tiny_model_dir}", "sampling.group_size=2", "trainer.samples_per_step=2",
             "actor.dynamic_sampling=true", "actor.max_dropped_in_a_row=6"]
     right, wrong = RewardResult(1.0, {"correct": 1.0}), RewardResult(0.0, {"correct": 0.0})
@@ -268,7 +268,7 @@ def test_a_remainder_out_of_reach_ends_the_run_and_forgetting_stalls_it(tmp_path
     reach.state_file.close()
     reach._save_history(force=True)
     again = actor_in(tmp_path / "reach")  # a restart keeps the pool and each problem's record
-    assert again.retired == set(learnable) and again.history[10] == [0, 4]
+    assert again.retired == set(learnable) and again.history[10] == [0.0, 2]
     answer(again, hopeless[5], wrong, wrong)
     assert not again.done  # a restart starts a new run of drops: 1 of 6
     for h in hopeless[6:11]:
@@ -284,3 +284,15 @@ def test_a_remainder_out_of_reach_ends_the_run_and_forgetting_stalls_it(tmp_path
     assert not forgot.pool_solved and "dropped 6 groups in a row" in forgot.stalled
     assert "at their past pass rates 4 of those answers would have been right" in forgot.stalled
     forgot.samples.close()
+
+    faded = actor_in(tmp_path / "faded")
+    first_pass(faded)  # each learnable problem half right once
+    for _ in range(3):
+        for i in learnable:
+            answer(faded, i, wrong, wrong)
+            answer(faded, hopeless[i], right, wrong)  # kept: the runs of drops stay short
+    assert not faded.done and faded.history[0][0] == pytest.approx(0.0625)
+    for i in (0, 1, 2, 3, 4, 5):  # answered right long ago, all wrong the last three times: out of reach now
+        answer(faded, i, wrong, wrong)
+    assert faded.pool_solved and faded.stalled is None
+    faded.samples.close()
