@@ -25,6 +25,8 @@ def test_a_three_domain_run_reports_every_domain_apart(tmp_path):
            # advantage) instead of stopping the actor; this run checks what is reported, not what is learnt
            f"run_dir={run_dir}", "model.warmup_steps=30", "actor.dynamic_sampling=false",
            "trainer.max_steps=12", "trainer.eval_every=12",
+           # equal weights: each domain in most of the 12 steps, whatever the recipe's shares (this checks reporting)
+           *(f"task.args.domains.{d}.weight=1" for d in DOMAINS),
            "trainer.samples_per_step=48", "task.args.domains.add.args.num_eval=24",
            "task.args.domains.backward.args.num_eval=24", "task.args.domains.constraints.args.num_eval=24"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
