@@ -90,8 +90,7 @@ def compare(names: list[str], seeds: list[int], steps: int | None) -> dict:
                 continue
             if name != "mix" and (run_dir / "metrics.jsonl").exists():
                 shutil.rmtree(run_dir)  # a failed or cut-short run: it would resume from its checkpoint
-                run_dir.mkdir(parents=True)
-                recipe = single_domain_recipe(name, base, run_dir.parent / f"{name}_s{seed}.yaml")
+                run_dir.mkdir(parents=True)  # (its recipe, written beside the folder, stays)
             print(f"== {name}, seed {seed}", flush=True)
             t0 = time.perf_counter()
             rows, failure = launch(recipe, run_dir, overrides)

@@ -299,11 +299,10 @@ class Actor:
         self.counts["samples_generated_correct"] += right
         domain = samples[0].domain if samples else ""
         if self.curriculum is not None:
-            self.curriculum.observe(domain, sum(s.correct for s in samples), len(samples))
+            self.curriculum.observe(domain, right, len(samples))
         if domain:  # a mix's (or Reasoning Gym's) domains counted apart: their accuracy and drops never blended
             key = domain_key(domain)
-            for name, value in (("samples_generated", len(samples)),
-                                ("samples_generated_correct", sum(s.correct for s in samples))):
+            for name, value in (("samples_generated", len(samples)), ("samples_generated_correct", right)):
                 self.counts[f"domain_{key}_{name}"] = self.counts.get(f"domain_{key}_{name}", 0) + value
         if self.cfg.actor.dynamic_sampling and (why := dynamic_sampling_drop(samples)) is not None:
             self.counts[f"groups_dropped_{why}"] += 1
