@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 # order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
-.PHONY: install pins fuzz chaos run compare compare-algorithms compare-critic compare-domains rehearsal-seeds compare-tools compare-trl test test-quick test-gpu bench lint format openapi config-reference clean data-orz run-orz-cpu run-1gpu run-7b run-32b
+.PHONY: install pins fuzz chaos run compare compare-algorithms compare-critic compare-domains step-cost rehearsal-seeds compare-tools compare-trl test test-quick test-gpu bench lint format openapi config-reference clean data-orz run-orz-cpu run-1gpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -152,6 +152,11 @@ compare-algorithms: $(STAMP)
 # two runs side by side (docs/algorithms.md; about 4 min per pair of runs on 2 cores). ARGS="--only A,I --seeds 3"
 compare-critic: $(STAMP)
 	$(BIN)/python -m bench.orz_critic $(ARGS)
+
+# where a step's time goes when compute costs next to nothing (tiny_cpu with a hidden-16 one-layer model, pipelined
+# and synchronous, 200 steps each; about 2 minutes): the pipeline's fixed cost per step, stage by stage
+step-cost: $(STAMP)
+	$(BIN)/python -m bench.step_cost $(ARGS)
 
 # make test's ORZ rehearsal (tests/test_orz_rehearsal.py: PPO with the critic) on several seeds, two at a time, each
 # held to the same checks; SEEDS=0,1 for fewer (about 6 minutes a pair on 2 cores)

@@ -292,6 +292,10 @@ def batch_metrics(batch: list[Sample], trained_at: int | None = None) -> dict[st
         "truncated_frac": sum(s.finish_reason == "length" for s in batch) / n,
         "mixed_version_frac": sum(len(set(s.model_versions)) > 1 for s in batch) / n,
     }
+    groups = {s.group_id: s.timings for s in batch if "generate_s" in s.timings}
+    if groups:  # the actor's time per group: the engine's round trip (generation), then the reward pool's
+        row["group_generate_s_mean"] = sum(t["generate_s"] for t in groups.values()) / len(groups)
+        row["group_reward_s_mean"] = sum(t.get("reward_s", 0.0) for t in groups.values()) / len(groups)
     domains = sorted({s.domain for s in batch if s.domain})
     for domain in domains:  # each domain's numbers apart, never blended into another's
         mine = [s for s in batch if s.domain == domain]
@@ -350,7 +354,7 @@ def _train(cfg: RunConfig, engines: str, stop: StopSignals, trainer: TrainerBack
             run.evaluate_when_due()
             # the main process pushed the weights to the engines (and maybe evaluated) alone
             trainer.barrier(f"step {trainer.version}'s weight push and held-out evaluation")
-            run.last = time.monotonic()  # the next step's rates count from here
+            run.step_done()
             stopped = run.save_when_due()
             if stopped:
                 break
@@ -380,6 +384,11 @@ class TrainingRun:
         self.skipped_in_a_row = 0  # steps whose every update was skipped (a non-finite loss or gradient norm)
         self.engines_rejoined = 0  # engines that died, were restarted and rejoined the weight-update group
         self.last = time.monotonic()  # the end of the last step (its barrier): a step's rates count from here
+        # where a step's time goes (bench/step_cost.py): the last publish, and what the last step did after its
+        # metrics row (writing it, an evaluation, the barrier), which no row's own window covers
+        self.publish_s = 0.0
+        self.recorded_at: float | None = None
+        self.after_row_s = 0.0
 
     def should_stop(self) -> bool:
         return self.stop.requested
@@ -449,6 +458,12 @@ class TrainingRun:
         self.trainer.barrier("connecting to the engines and the first held-out evaluation")
         self.last = time.monotonic()
 
+    def step_done(self) -> None:
+        """The step is over (its barrier passed): the next step's rates count from here."""
+        self.last = time.monotonic()
+        if self.recorded_at is not None:
+            self.after_row_s = self.last - self.recorded_at
+
     # -- a step -----------------------------------------------------------------------------------------------
 
     def take_batch(self) -> tuple[list[Sample], float]:
@@ -465,6 +480,7 @@ class TrainingRun:
         broadcast (on every rank: sharded ones gather together), and the step is saved as trained. Returns the
         broadcast's stats and whether a stop interrupted it."""
         cfg, trainer = self.cfg, self.trainer
+        started = time.monotonic()
         interrupted = False
         try:
             self.group, came_back = trainer.ensure_engines(self.group, self.engine_urls,
@@ -484,17 +500,20 @@ class TrainingRun:
                 interrupted = True
         if not interrupted:
             self.announce_version()
+        self.publish_s = time.monotonic() - started
         return sync, interrupted
 
     def record(self, batch: list[Sample], stats: dict, waited: float, sync: BroadcastStats,
                trained_at: int | None = None) -> None:
         """The step's metrics row and audit line (main process), and an export when one is due."""
         trainer, now = self.trainer, time.monotonic()
+        self.recorded_at = now  # the row's own writing (and an export) counts in the next row's after_last_row_s
         tokens = sum(len(s.output_token_ids) for s in batch)
         row = {"step": trainer.version, "time": now - self.started, "samples": len(batch),
                "samples_total": self.feed.consumed,
                "samples_per_s": len(batch) / (now - self.last), "tokens_per_s": tokens / (now - self.last),
                "wait_for_samples_s": waited, "broadcast_s": sync.seconds, "broadcast_bytes": sync.bytes,
+               "publish_s": self.publish_s, "after_last_row_s": self.after_row_s,
                "stale_dropped": self.stale_dropped, "stream_corrupt": self.feed.reader.corrupt,
                "engines_rejoined": self.engines_rejoined, "checkpoint_failures": self.checkpoints.failures,
                "min_version_in_batch": min(s.oldest_version for s in batch),

@@ -57,6 +57,15 @@ def test_pipelined_run_updates_engines_in_flight(tmp_path):
     assert all(row["lag_max"] <= 2 for row in rows)
     assert any(row["mixed_version_frac"] > 0 for row in rows), "some samples carry tokens of two versions"
     assert rows[-1]["stream_corrupt"] == 1
+    # where each step's time went (bench/step_cost.py): the parts fit in the step, and the stages on the trainer's
+    # clock fit in the interval between two rows
+    for prev, row in zip(rows, rows[1:]):
+        parts = row["step_prepare_s"] + row["step_policy_s"] + row["step_critic_s"]
+        assert 0 < parts <= row["step_s"] and row["step_policy_s"] > 0
+        assert row["publish_s"] >= row["broadcast_s"] > 0
+        assert row["wait_for_samples_s"] + row["step_s"] + row["publish_s"] + row["after_last_row_s"] <= (
+            row["time"] - prev["time"] + 1e-6)
+        assert row["group_generate_s_mean"] > 0 and row["group_reward_s_mean"] > 0
     engine = json.loads((run_dir / "engine0_metrics.json").read_text())
     assert engine["pipelinerl_weight_version"] == 12
     assert engine["pipelinerl_weight_updates_while_running_total"] >= 1

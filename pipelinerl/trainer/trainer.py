@@ -383,6 +383,7 @@ class Trainer:
         if self.critic is not None:
             self.critic.add_values(every_mb)
         self._set_advantages(step, every_mb, kl_coef)
+        prepared = time.perf_counter()
 
         sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64, device=acc.device)
         first_clip = torch.zeros((), dtype=torch.float64, device=acc.device)
@@ -421,7 +422,9 @@ class Trainer:
         totals = dict(zip(_SUM_KEYS, sums.tolist()))
         loss_means = self._reduce_loss_stats(loss_stats, max(totals["tokens"], 1.0))
         totals["loss"] /= len(minibatches)  # each minibatch's loss is a mean over its own samples or tokens
+        passed = time.perf_counter()
         critic_stats = self.critic.update(every_mb, self.step) if self.critic is not None else {}
+        critic_done = time.perf_counter()
 
         applied = applied_updates > 0 or frozen  # a frozen step is a version with the same weights, not a skip
         grad_norms = grad_norms or [0.0]
@@ -441,6 +444,12 @@ class Trainer:
                      clip_frac_first_minibatch=float(first_clip),
                      clip_frac_later_minibatches=self._later_clip_frac(totals, float(first_clip), step),
                      **critic_stats)
+        # where step_s went, on the host's clock (on a GPU the kernels queued are waited for by the .item()s
+        # and .tolist()s along the way, so a part can hold the tail of the part before it): batching and the
+        # no-gradient passes (proximal, reference, critic values, advantages); the policy's forward, backward and
+        # updates; the critic's updates. bench/step_cost.py reads them.
+        stats.update(step_prepare_s=prepared - start, step_policy_s=passed - prepared,
+                     step_critic_s=critic_done - passed)
         return stats
 
     def _reduce_loss_stats(self, loss_stats: dict[str, Tensor], tokens: float) -> dict[str, float]:
