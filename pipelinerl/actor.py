@@ -34,7 +34,7 @@ from pipelinerl.rewards import RewardPool, RewardResult
 from pipelinerl.rewards.pool import resolve
 from pipelinerl.rewards.shaping import shape_reward
 from pipelinerl.samples import Sample, domain_key
-from pipelinerl.streams import open_reader, open_writer
+from pipelinerl.streams import SLOW_POLL_S, open_reader, open_writer, poll_interval
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import is_multi_turn, reward_item, task_from_config
 from pipelinerl.tasks.base import problem_sampling, prompt_token_ids, reward_preload
@@ -178,9 +178,11 @@ class Actor:
                         preload=reward_preload(self.task)) as pool:
             self.pool = pool
             last_report = 0.0
+            held_since: float | None = None  # since when a free place waits for the trainer (max_lag)
             while not self.done:
                 self._read_control()
                 capacity = per_engine_groups * len(self.engines) - len(tasks)
+                free = capacity
                 while capacity > 0 and not self.done and self._may_start_group():
                     index = self._take_problem()
                     if index is None:  # every problem is solved
@@ -194,11 +196,17 @@ class Actor:
                     last_report = time.monotonic()
                 # wake as soon as a group finishes (its place goes to the next group at once: on a small model a
                 # group takes tens of ms, and a fixed sleep left the engine short of work), or to read the trainer's
-                # control messages, which lift the max_lag bound
-                if tasks:
-                    await asyncio.wait(tasks, timeout=0.02, return_when=asyncio.FIRST_COMPLETED)
+                # control messages, which lift the max_lag bound: soon after a place is held back by it (the
+                # stream's fast polling), since then the engine may be idle until the next version is read
+                if capacity > 0 and not self.done:
+                    held_since = time.monotonic() if held_since is None or capacity < free else held_since
+                    timeout = poll_interval(time.monotonic() - held_since)
                 else:
-                    await asyncio.sleep(0.02)
+                    held_since, timeout = None, SLOW_POLL_S
+                if tasks:
+                    await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(timeout)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -32,6 +32,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# Streams have no notification, so a waiting reader polls. A wait that ends soon (a small model's step takes tens
+# of milliseconds) is noticed within FAST_POLL_S; past FAST_WINDOW_S a wait is long next to any poll, and polling
+# slows to SLOW_POLL_S (50 reads a second, nothing next to a step of seconds).
+FAST_POLL_S = 0.002
+SLOW_POLL_S = 0.02
+FAST_WINDOW_S = 0.25
+
+
+def poll_interval(waited_s: float) -> float:
+    """How long a reader that has waited `waited_s` seconds for a record sleeps before it reads again."""
+    return FAST_POLL_S if waited_s < FAST_WINDOW_S else SLOW_POLL_S
+
+
 def encode_record(data: Any) -> bytes:
     text = json.dumps(data, separators=(",", ":"))
     return f"{zlib.crc32(text.encode()):08x} {text}\n".encode()

@@ -34,7 +34,7 @@ from pipelinerl.placement import detect_gpus
 from pipelinerl.procs import engine_urls as engine_urls_of
 from pipelinerl.procs import process_age_s, role_arguments
 from pipelinerl.samples import Sample, domain_key
-from pipelinerl.streams import open_reader, open_writer
+from pipelinerl.streams import open_reader, open_writer, poll_interval
 from pipelinerl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
 from pipelinerl.trainer.publisher import EngineWaitInterrupted
 from pipelinerl.weight_sync import WeightSyncError, WeightUpdateGroup
@@ -196,11 +196,12 @@ class SampleFeed:
                 self.consumed += 1
 
     def _fill(self, block: bool) -> None:
+        started = time.monotonic()
         while True:
             self.buffer.extend(self.reader.read())
             if self.buffer or not block:
                 return
-            time.sleep(0.02)
+            time.sleep(poll_interval(time.monotonic() - started))
 
     def take_fresh(self, n: int, version: int, max_lag: int, on_dropped: Callable[[int], None] = lambda taken: None,
                    should_stop: Callable[[], bool] = lambda: False) -> tuple[list[Sample], int]:
