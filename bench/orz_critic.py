@@ -13,7 +13,7 @@ at a time against A:
 * C: REINFORCE++-baseline (group mean, normalised over the batch) instead of the critic, dynamic sampling off;
 * D: A with dynamic sampling on;
 * G: the critic as ORZ trains it, fitted first, at a quarter of the policy's learning rate: policy lr 2.5e-4
-  (the recipe's 1e-3), critic 5x that (ORZ: 5e-6 against 1e-6) with a linear warm-up over its first 20 updates,
+  (the rehearsal's 1e-3 then), critic 5x that (ORZ: 5e-6 against 1e-6) with a linear warm-up over its first 20 updates,
   shuffled updates, the policy frozen for the first 5 steps while the critic fits (verl's critic_warmup);
 * H: the recipe as it shipped then (REINFORCE++-baseline with dynamic sampling), synchronous as every arm here;
 * I: A at G's policy learning rate, its critic unchanged: the learning rate alone;

@@ -12,16 +12,18 @@ mean milliseconds of each stage on the trainer's clock:
 
 - `interval`: from one step's metrics row to the next, everything included;
 - `waiting for samples`: the trainer blocked on the sample stream (synchronous: the whole batch's generation);
+- `checkpoint decision`: whether to save (agreed by the trainer processes), and a periodic save;
 - `trainer step`, split into batching and the no-gradient passes, the policy's forward, backward and update, the
-  critic, and the rest (statistics);
+  critic, and the rest (statistics, the learning-rate and KL schedules);
 - `publish`: the weight broadcast and the rest of it (engines checked, the version announced);
 - `after the row`: writing the metrics row and the audit line, the barrier;
 - `unaccounted`: the interval less the stages above.
 
 And beside the trainer's clock, what the actor and the engine spent per step (they overlap the trainer when
 pipelined, and each other): the engine's round trip per group as the actor sees it and the reward pool's per group
-(`group_generate_s_mean`, `group_reward_s_mean` of the batch), and the engine's decode seconds, decode steps and
-weight-update seconds per trainer step (its /metrics at the end of the run).
+(`group_generate_s_mean`, `group_reward_s_mean` of the batch; the latter with the answers' detokenisation), and the
+engine's decode seconds, decode steps and weight-update seconds per trainer step (its /metrics at the end of the
+run, divided by the steps: start-up and, pipelined, the look-ahead generated past the last step included).
 
 Writes bench/results/step_cost.json and prints the tables (docs/benchmarks.md keeps the current one).
 """
@@ -41,14 +43,15 @@ RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
 
 # (name, how it is read from a metrics row); the trainer step's parts and the publish's, then the rest of a step
 STAGES: tuple[tuple[str, str], ...] = (
-    ("waiting for samples", "wait_for_samples_s"),
+    ("waiting for samples", "waiting_s"),
+    ("checkpoint decision (and a save)", "checkpoint_s"),
     ("trainer step: batching, no-gradient passes", "step_prepare_s"),
     ("trainer step: policy forward, backward, update", "step_policy_s"),
     ("trainer step: critic", "step_critic_s"),
-    ("trainer step: statistics", "step_rest_s"),
+    ("trainer step: statistics, schedules", "step_rest_s"),
     ("publish: weight broadcast", "broadcast_s"),
     ("publish: engines checked, version announced", "publish_rest_s"),
-    ("after the row: metrics, audit, barrier", "after_last_row_s"),
+    ("after the row: metrics, audit, barrier (an export, an evaluation)", "after_last_row_s"),
     ("unaccounted", "unaccounted_s"),
 )
 
@@ -59,7 +62,9 @@ def stage_rows(rows: list[dict], skip: int) -> list[dict]:
     steps = [r for r in rows if "samples_per_s" in r]
     out = []
     for prev, row in zip(steps, steps[1:]):
-        stage = {"interval_s": row["time"] - prev["time"], "wait_for_samples_s": row["wait_for_samples_s"],
+        checkpoint = row.get("checkpoint_s", 0.0)  # after the last step's barrier, inside this step's wait
+        stage = {"interval_s": row["time"] - prev["time"], "waiting_s": row["wait_for_samples_s"] - checkpoint,
+                 "checkpoint_s": checkpoint,
                  "step_prepare_s": row.get("step_prepare_s", 0.0), "step_policy_s": row.get("step_policy_s", 0.0),
                  "step_critic_s": row.get("step_critic_s", 0.0), "broadcast_s": row["broadcast_s"],
                  "after_last_row_s": row.get("after_last_row_s", 0.0)}

@@ -179,6 +179,7 @@ class Actor:
             self.pool = pool
             last_report = 0.0
             held_since: float | None = None  # since when a free place waits for the trainer (max_lag)
+            left_free = 0  # places free at the end of the last turn
             while not self.done:
                 self._read_control()
                 capacity = per_engine_groups * len(self.engines) - len(tasks)
@@ -199,10 +200,14 @@ class Actor:
                 # control messages, which lift the max_lag bound: soon after a place is held back by it (the
                 # stream's fast polling), since then the engine may be idle until the next version is read
                 if capacity > 0 and not self.done:
-                    held_since = time.monotonic() if held_since is None or capacity < free else held_since
+                    # the wait starts again with each group started or finished: from there the next version may
+                    # be what the actor waits for
+                    if held_since is None or capacity < free or free > left_free:
+                        held_since = time.monotonic()
                     timeout = poll_interval(time.monotonic() - held_since)
                 else:
                     held_since, timeout = None, SLOW_POLL_S
+                left_free = capacity
                 if tasks:
                     await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 else:

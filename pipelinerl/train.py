@@ -243,6 +243,7 @@ class SampleFeed:
     def take_groups(self, max_groups: int, should_stop: Callable[[], bool] = lambda: False) -> list[list[Sample]]:
         """Up to `max_groups` whole groups: those complete in the stream now, or (if none) the first to complete."""
         groups: list[list[Sample]] = []
+        started = time.monotonic()
         while True:
             self._fill(block=False)
             while len(groups) < max_groups and (group := self._pop_group()) is not None:
@@ -251,7 +252,7 @@ class SampleFeed:
                 return groups
             if should_stop():
                 raise StopRequested
-            time.sleep(0.02)
+            time.sleep(poll_interval(time.monotonic() - started))
 
     def take_dropped_groups(self) -> list[str]:
         """The ids of the groups dropped since the last call."""
@@ -356,7 +357,7 @@ def _train(cfg: RunConfig, engines: str, stop: StopSignals, trainer: TrainerBack
             # the main process pushed the weights to the engines (and maybe evaluated) alone
             trainer.barrier(f"step {trainer.version}'s weight push and held-out evaluation")
             run.step_done()
-            stopped = run.save_when_due()
+            stopped = run.save_when_due()  # its time is the next row's checkpoint_s (inside its wait)
             if stopped:
                 break
     except StopRequested:
@@ -386,10 +387,11 @@ class TrainingRun:
         self.engines_rejoined = 0  # engines that died, were restarted and rejoined the weight-update group
         self.last = time.monotonic()  # the end of the last step (its barrier): a step's rates count from here
         # where a step's time goes (bench/step_cost.py): the last publish, and what the last step did after its
-        # metrics row (writing it, an evaluation, the barrier), which no row's own window covers
+        # metrics row (writing it, an export, an evaluation, the barrier), which no row's own window covers
         self.publish_s = 0.0
         self.recorded_at: float | None = None
         self.after_row_s = 0.0
+        self.checkpoint_s = 0.0  # deciding on and saving a periodic checkpoint, after the barrier (in the next wait)
 
     def should_stop(self) -> bool:
         return self.stop.requested
@@ -514,7 +516,7 @@ class TrainingRun:
                "samples_total": self.feed.consumed,
                "samples_per_s": len(batch) / (now - self.last), "tokens_per_s": tokens / (now - self.last),
                "wait_for_samples_s": waited, "broadcast_s": sync.seconds, "broadcast_bytes": sync.bytes,
-               "publish_s": self.publish_s, "after_last_row_s": self.after_row_s,
+               "publish_s": self.publish_s, "after_last_row_s": self.after_row_s, "checkpoint_s": self.checkpoint_s,
                "stale_dropped": self.stale_dropped, "stream_corrupt": self.feed.reader.corrupt,
                "engines_rejoined": self.engines_rejoined, "checkpoint_failures": self.checkpoints.failures,
                "min_version_in_batch": min(s.oldest_version for s in batch),
@@ -551,9 +553,11 @@ class TrainingRun:
 
     def save_when_due(self) -> bool:
         """Save a periodic checkpoint when one is due; whether to stop now (agreed by every trainer process)."""
+        started = time.monotonic()
         save_now, stopped = self.checkpoints.decide(self.stop.requested)
         if save_now and not stopped:
             self.checkpoints.save(self.step_position, periodic=True)
+        self.checkpoint_s = time.monotonic() - started
         return stopped
 
     # -- the end ----------------------------------------------------------------------------------------------

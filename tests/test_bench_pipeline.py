@@ -59,7 +59,8 @@ def test_step_cost_splits_each_interval_into_its_stages():
     def row(step: int, time: float, after: float) -> dict:
         return {"step": step, "time": time, "samples": 64, "samples_per_s": 1.0, "wait_for_samples_s": 0.010,
                 "step_s": 0.020, "step_prepare_s": 0.004, "step_policy_s": 0.012, "step_critic_s": 0.0,
-                "broadcast_s": 0.005, "publish_s": 0.008, "after_last_row_s": after, "group_generate_s_mean": 0.03}
+                "broadcast_s": 0.005, "publish_s": 0.008, "after_last_row_s": after, "checkpoint_s": 0.001,
+                "group_generate_s_mean": 0.03}
 
     rows = [row(1, 1.0, 0.0), {"step": 1, "eval_accuracy": 0.5}, row(2, 1.050, 0.002), row(3, 1.090, 0.001)]
     got = stage_rows(rows, skip=0)
@@ -68,6 +69,7 @@ def test_step_cost_splits_each_interval_into_its_stages():
     assert first["interval_s"] == pytest.approx(0.050)
     assert first["step_rest_s"] == pytest.approx(0.004)
     assert first["publish_rest_s"] == pytest.approx(0.003)
+    assert first["waiting_s"] == pytest.approx(0.009) and first["checkpoint_s"] == pytest.approx(0.001)
     assert first["unaccounted_s"] == pytest.approx(0.050 - 0.010 - 0.020 - 0.008 - 0.002)
     for stage in got:
         assert sum(stage[key] for _, key in STAGES) == pytest.approx(stage["interval_s"])

@@ -63,6 +63,7 @@ def test_pipelined_run_updates_engines_in_flight(tmp_path):
         parts = row["step_prepare_s"] + row["step_policy_s"] + row["step_critic_s"]
         assert 0 < parts <= row["step_s"] and row["step_policy_s"] > 0
         assert row["publish_s"] >= row["broadcast_s"] > 0
+        assert 0 <= row["checkpoint_s"] <= row["wait_for_samples_s"]
         assert row["wait_for_samples_s"] + row["step_s"] + row["publish_s"] + row["after_last_row_s"] <= (
             row["time"] - prev["time"] + 1e-6)
         assert row["group_generate_s_mean"] > 0 and row["group_reward_s_mean"] > 0
