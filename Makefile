@@ -148,7 +148,7 @@ compare: $(STAMP)
 compare-algorithms: $(STAMP)
 	$(BIN)/python -m bench.algorithms
 
-# why PPO with a critic collapsed in the ORZ rehearsal: nine arms x 6 seeds of recipes/orz_cpu.yaml, 50 steps each,
+# why PPO with a critic collapsed in the ORZ rehearsal: ten arms x 6 seeds of recipes/orz_cpu.yaml, 50 steps each,
 # two runs side by side (docs/algorithms.md; about 1.5 min a run on 2 cores). ARGS="--only A,I --seeds 3"
 compare-critic: $(STAMP)
 	$(BIN)/python -m bench.orz_critic $(ARGS)
