@@ -116,22 +116,17 @@ def measure(lag: int, steps: int, skip: int, hidden: int, layers: int, root: Pat
 
 def table(results: dict[str, dict]) -> str:
     names = list(results)
+
+    def stage_cells(key: str) -> list[str]:
+        return [f"{s['median_ms']:.1f} ({s['mean_ms']:.1f})" if (s := results[n]["stages"].get(key)) else ""
+                for n in names]
+
     lines = ["| stage | " + " | ".join(f"{n}: median ms (mean)" for n in names) + " |",
              "| --- | " + " | ".join("---" for _ in names) + " |"]
-    for label, key in (("interval (the whole step)", "interval_s"), *STAGES):
-        cells = []
-        for n in names:
-            s = results[n]["stages"].get(key)
-            cells.append(f"{s['median_ms']:.1f} ({s['mean_ms']:.1f})" if s else "")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines.append("| *beside the trainer* | " + " | ".join("" for _ in names) + " |")
-    for label, key in (("actor: engine round trip per group", "group_generate_s_mean"),
-                       ("actor: reward pool per group", "group_reward_s_mean")):
-        cells = []
-        for n in names:
-            s = results[n]["stages"].get(key)
-            cells.append(f"{s['median_ms']:.1f} ({s['mean_ms']:.1f})" if s else "")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    beside = (("*beside the trainer*", ""), ("actor: engine round trip per group", "group_generate_s_mean"),
+              ("actor: reward pool per group", "group_reward_s_mean"))
+    for label, key in (("interval (the whole step)", "interval_s"), *STAGES, *beside):
+        lines.append(f"| {label} | " + " | ".join(stage_cells(key) if key else ["" for _ in names]) + " |")
     for label, key, fmt in (("engine: decode ms per step", "engine_decode_ms", "{:.1f}"),
                             ("engine: decode steps per step", "engine_decode_steps", "{:.1f}"),
                             ("engine: weight update ms per step", "engine_update_ms", "{:.1f}")):

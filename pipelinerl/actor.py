@@ -34,7 +34,7 @@ from pipelinerl.rewards import RewardPool, RewardResult
 from pipelinerl.rewards.pool import resolve
 from pipelinerl.rewards.shaping import shape_reward
 from pipelinerl.samples import Sample, domain_key
-from pipelinerl.streams import SLOW_POLL_S, open_reader, open_writer, poll_interval
+from pipelinerl.streams import SLOW_POLL_S, PollWait, open_reader, open_writer
 from pipelinerl.streams import streams_dir as streams_dir  # re-exported: it used to live here
 from pipelinerl.tasks import is_multi_turn, reward_item, task_from_config
 from pipelinerl.tasks.base import problem_sampling, prompt_token_ids, reward_preload
@@ -178,7 +178,7 @@ class Actor:
                         preload=reward_preload(self.task)) as pool:
             self.pool = pool
             last_report = 0.0
-            held_since: float | None = None  # since when a free place waits for the trainer (max_lag)
+            held = PollWait()  # a free place waiting for the trainer's next version (max_lag)
             left_free = 0  # places free at the end of the last turn
             while not self.done:
                 self._read_control()
@@ -200,13 +200,13 @@ class Actor:
                 # control messages, which lift the max_lag bound: soon after a place is held back by it (the
                 # stream's fast polling), since then the engine may be idle until the next version is read
                 if capacity > 0 and not self.done:
-                    # the wait starts again with each group started or finished: from there the next version may
-                    # be what the actor waits for
-                    if held_since is None or capacity < free or free > left_free:
-                        held_since = time.monotonic()
-                    timeout = poll_interval(time.monotonic() - held_since)
+                    # the wait starts again with each group started or finished (a turn after none was free
+                    # included): from there the next version may be what the actor waits for
+                    if capacity < free or free > left_free:
+                        held.restart()
+                    timeout = held.interval()
                 else:
-                    held_since, timeout = None, SLOW_POLL_S
+                    timeout = SLOW_POLL_S
                 left_free = capacity
                 if tasks:
                     await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)

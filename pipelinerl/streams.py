@@ -45,6 +45,22 @@ def poll_interval(waited_s: float) -> float:
     return FAST_POLL_S if waited_s < FAST_WINDOW_S else SLOW_POLL_S
 
 
+class PollWait:
+    """A reader's wait for a record, from its start (or its last `restart`): the sleep before the next read."""
+
+    def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        self.since = time.monotonic()
+
+    def interval(self) -> float:
+        return poll_interval(time.monotonic() - self.since)
+
+    def sleep(self) -> None:
+        time.sleep(self.interval())
+
+
 def encode_record(data: Any) -> bytes:
     text = json.dumps(data, separators=(",", ":"))
     return f"{zlib.crc32(text.encode()):08x} {text}\n".encode()

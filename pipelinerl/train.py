@@ -34,7 +34,7 @@ from pipelinerl.placement import detect_gpus
 from pipelinerl.procs import engine_urls as engine_urls_of
 from pipelinerl.procs import process_age_s, role_arguments
 from pipelinerl.samples import Sample, domain_key
-from pipelinerl.streams import open_reader, open_writer, poll_interval
+from pipelinerl.streams import PollWait, open_reader, open_writer
 from pipelinerl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, prune_checkpoints
 from pipelinerl.trainer.publisher import EngineWaitInterrupted
 from pipelinerl.weight_sync import WeightSyncError, WeightUpdateGroup
@@ -196,12 +196,12 @@ class SampleFeed:
                 self.consumed += 1
 
     def _fill(self, block: bool) -> None:
-        started = time.monotonic()
+        wait = PollWait()
         while True:
             self.buffer.extend(self.reader.read())
             if self.buffer or not block:
                 return
-            time.sleep(poll_interval(time.monotonic() - started))
+            wait.sleep()
 
     def take_fresh(self, n: int, version: int, max_lag: int, on_dropped: Callable[[int], None] = lambda taken: None,
                    should_stop: Callable[[], bool] = lambda: False) -> tuple[list[Sample], int]:
@@ -243,7 +243,7 @@ class SampleFeed:
     def take_groups(self, max_groups: int, should_stop: Callable[[], bool] = lambda: False) -> list[list[Sample]]:
         """Up to `max_groups` whole groups: those complete in the stream now, or (if none) the first to complete."""
         groups: list[list[Sample]] = []
-        started = time.monotonic()
+        wait = PollWait()
         while True:
             self._fill(block=False)
             while len(groups) < max_groups and (group := self._pop_group()) is not None:
@@ -252,7 +252,7 @@ class SampleFeed:
                 return groups
             if should_stop():
                 raise StopRequested
-            time.sleep(poll_interval(time.monotonic() - started))
+            wait.sleep()
 
     def take_dropped_groups(self) -> list[str]:
         """The ids of the groups dropped since the last call."""
