@@ -67,8 +67,8 @@ def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path, seed):
 
     # reward rises (ORZ's: 1 for a correct \boxed{} in the <answer> block of an output that stopped), the trained
     # batches' mean (dynamic sampling keeps the groups with a signal) over the first 10 steps against the second
-    # half. Seeds 0-5 (`make rehearsal-seeds`, docs/algorithms.md): +0.171, +0.150, +0.314, +0.049, +0.149,
-    # +0.152. The last 15 steps alone swing too much between runs to compare against.
+    # half. Seeds 0-5 (`make rehearsal-seeds`, docs/algorithms.md): +0.128, +0.115, +0.078, +0.081, +0.080,
+    # +0.144. The last 15 steps alone swing too much between runs to compare against.
     first = sum(row["reward_mean"] for row in steps[:10]) / 10
     later = steps[len(steps) // 2:]
     second_half = sum(row["reward_mean"] for row in later) / len(later)
@@ -80,15 +80,15 @@ def test_orz_path_on_cpu_stops_at_answer_and_learns(tmp_path, seed):
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps[-1]["step"]
     for bench in ("add", "sub", "choice"):
         assert any(key.startswith(f"eval_{bench}_") for key in evals[-1]), sorted(evals[-1])
-    # Learning is asserted on the training reward above. The held-out mean rose on 5 of seeds 0-5 (0.051 -> 0.120
-    # the most) and fell on one (0.089 -> 0.073): 80 steps of a tiny model do not carry to held-out benchmarks
-    # reliably. What must hold on every seed is that training does not wreck it.
+    # Learning is asserted on the training reward above. The held-out mean rose on seeds 0-5 (by 0.004-0.043; at
+    # the recipe's former lr 5e-4 it fell on one seed, 0.089 -> 0.073): 80 steps of a tiny model do not carry to
+    # held-out benchmarks reliably. What must hold on every seed is that training does not wreck it.
     assert evals[-1]["eval_accuracy"] >= evals[0]["eval_accuracy"] - 0.05, [e["eval_accuracy"] for e in evals]
     eval_files = sorted((run_dir / "eval").glob("step_*.md"))
     assert eval_files and "add" in eval_files[-1].read_text()
     assert (run_dir / "curves_time.png").exists()
     # the actor counted every answer it scored, the groups dynamic sampling dropped too: over the first and last
-    # quarter of the run it rose on 5 of seeds 0-5 (0.099 -> 0.137 on seed 0), stayed on one (0.144 -> 0.141);
-    # not asserted to rise
+    # quarter of the run it rose on seeds 2-5 (0.121 -> 0.157 on seed 5), on seed 2 barely (0.124 -> 0.128; seeds 0-1
+    # not recorded); not asserted to rise
     windows = generated_accuracy(run_dir)
     assert len(windows) >= 5 and all(0 <= w["generated_accuracy"] <= 1 for w in windows)
