@@ -241,8 +241,9 @@ class BareLoop:
         self.model.config.use_cache = False
         self.model.to(device).train()
         cfg = trainer_config(spec)
+        # fused on CPU, as the trainer's (build_optimizer): the baseline gets torch's fastest AdamW too
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=tuple(cfg.betas),
-                                           weight_decay=cfg.weight_decay)
+                                           weight_decay=cfg.weight_decay, fused=device.type == "cpu" or None)
         self.chunked_head = chunked_head
         self.chunk_tokens = cfg.logprob_chunk_tokens
         # the trainer's own packing and GRPO advantages, once, outside the timing

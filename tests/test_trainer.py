@@ -220,6 +220,33 @@ def test_save_kill_resume_matches_uninterrupted_run(small_model_dir, tmp_path):
     assert got_next["ref_reset"] == expected_next["ref_reset"] == 1  # the reset clock survived the resume
 
 
+def test_a_cpu_trainer_steps_with_the_fused_adamw_to_the_default_ones_values(small_model_dir, tmp_path):
+    """On CPU the policy's and the critic's AdamW are torch's fused one (a loop of a dozen operations per tensor
+    otherwise: bench in build_optimizer's docstring), kept over a resume, and a step moves the weights where the
+    default AdamW moves them."""
+    def inner(optimizer):
+        return getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds torch's
+
+    cfg = TrainerConfig(lr=3e-3, weight_decay=0.1, samples_per_step=4, micro_batch_tokens=12, advantage="gae")
+    trainer = Trainer(str(small_model_dir), cfg, seed=1)
+    for opt in (trainer.optimizer, trainer.critic.optimizer):
+        assert all(g["fused"] for g in inner(opt).param_groups)
+    reference = Trainer(str(small_model_dir), cfg, seed=1)
+    for opt in (reference.optimizer, reference.critic.optimizer):
+        for g in inner(opt).param_groups:
+            g["fused"] = None  # torch's default on CPU: one tensor at a time
+    start = params(trainer)
+    for i in range(3):
+        trainer.optimizer_step(toy_batch(i))
+        reference.optimizer_step(toy_batch(i))
+    assert_same_params(params(trainer), params(reference), atol=1e-6)
+    assert max(float((got - start[n]).abs().max()) for n, got in params(trainer).items()) > 1e-3
+    save_checkpoint(trainer, checkpoint_dir(tmp_path, 3), {})
+    resumed = Trainer(str(small_model_dir), cfg, seed=2)
+    load_checkpoint(resumed, checkpoint_dir(tmp_path, 3))
+    assert all(g["fused"] for g in inner(resumed.optimizer).param_groups)
+
+
 def test_parameters_laid_out_for_the_wire_train_save_and_resume_the_same(small_model_dir, tmp_path):
     """A bucketed broadcast re-points the parameters into the wire's bucket buffers (so later broadcasts send
     from them in place). Training, checkpoints (accelerate's safetensors saving deduplicates tensors by

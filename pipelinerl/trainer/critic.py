@@ -36,7 +36,7 @@ from pipelinerl.rl.values import gae_advantages, value_loss
 from pipelinerl.trainer import update
 from pipelinerl.trainer.batch import MicroBatch, StepBatch
 from pipelinerl.trainer.linear_kernels import route_linears
-from pipelinerl.trainer.optim import param_groups
+from pipelinerl.trainer.optim import build_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Critic:
     """V(s) for every token, GAE from it, and its own training on the returns."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig, accelerator: Accelerator, attn_implementation: str,
-                 onednn_shapes: set[tuple[int, int]] | None = None, seed: int = 0):
+                 onednn_shapes: set[tuple[int, int]] | None = None, seed: int = 0, fused_adamw: bool = False):
         self.cfg, self.critic_cfg, self.accelerator = cfg, cfg.critic, accelerator
         self.seed = seed
         config = AutoConfig.from_pretrained(model_path, num_labels=1)
@@ -57,9 +57,7 @@ class Critic:
         route_linears(model, onednn_shapes or set())  # the policy's choice (linear_kernels.py)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        betas = (float(cfg.betas[0]), float(cfg.betas[1]))
-        optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), cfg.weight_decay), lr=self.critic_cfg.lr,
-                                      betas=betas)
+        optimizer = build_optimizer(model, cfg, lr=self.critic_cfg.lr, fused=fused_adamw)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         self._config = accelerator.unwrap_model(self.model).config
         self._impl = getattr(self._config, "_attn_implementation", None)

@@ -151,7 +151,7 @@ class Trainer:
         # float32 linear layers through oneDNN where it multiplies faster than torch's BLAS on this CPU
         self.onednn_shapes = self._route_policy(model)
         self.param_names = [name for name, _ in model.named_parameters()]  # tied weights appear once
-        optimizer = build_optimizer(model, self.cfg)
+        optimizer = build_optimizer(model, self.cfg, fused=self.fused_adamw)
         self.scheduler = build_scheduler(optimizer, self.cfg)  # stepped by us, never by accelerate
         self._configure_deepspeed()
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
@@ -169,7 +169,7 @@ class Trainer:
         # PPO with a value model (an advantage estimator with token_level=True, i.e. gae): prepared after the policy
         # so accelerate's checkpoints list the policy first, as older checkpoints have it
         self.critic = (Critic(self.model_path, self.cfg, self.accelerator, self.attn_implementation,
-                              self.onednn_shapes, seed)
+                              self.onednn_shapes, seed, self.fused_adamw)
                        if self.adv_spec.token_level else None)
         # samples with advantage 0 left out of the passes where nothing but the policy loss would see them
         self.skips_zero_advantage = (c.skip_zero_advantage and self.loss_spec.zero_without_advantage
@@ -245,6 +245,11 @@ class Trainer:
     @property
     def is_fsdp(self) -> bool:
         return self.accelerator.distributed_type == DistributedType.FSDP
+
+    @property
+    def fused_adamw(self) -> bool:
+        """Torch's one-kernel AdamW (see build_optimizer): on CPU, where the parameters are plain tensors."""
+        return self.accelerator.device.type == "cpu" and not self.is_deepspeed and not self.is_fsdp
 
     @property
     def unwrapped_model(self) -> nn.Module:
