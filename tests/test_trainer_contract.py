@@ -37,9 +37,11 @@ class ProtocolOnlyTrainer:
     def is_main_process(self) -> bool:
         return True
 
+    processes = 1
+
     @property
     def num_processes(self) -> int:
-        return 1
+        return self.processes
 
     def any_process(self, *flags: bool) -> list[bool]:
         return list(flags)
@@ -62,6 +64,7 @@ class ProtocolOnlyTrainer:
         return None
 
     def ensure_engines(self, group, engine_urls, ranks_per_engine, wait_s, should_stop, force=False):
+        self.calls.append("ensure_engines")
         return group, []
 
     def broadcast_weights(self, group, engine_urls) -> BroadcastStats:
@@ -140,3 +143,21 @@ def test_an_exception_in_a_step_still_closes_the_trainer_once(tmp_path):
     with pytest.raises(RuntimeError, match="a trainer bug"):
         train(cfg, "http://127.0.0.1:9", trainer=trainer)
     assert trainer.closed == 1 and trainer.version == 1
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_engines_heard_from_within_a_second_are_not_checked_again_by_one_process(tmp_path, processes):
+    """Before a broadcast the engines' health is checked unless every engine answered within the last
+    ENGINES_HEARD_WITHIN_S (a broadcast is their answer; on small models a check per step cost a tenth of it):
+    three quick steps of one process check once, before the first; several processes check every step (a failed
+    broadcast cannot be retried there)."""
+    cfg = _run(tmp_path, groups=6)
+    trainer = ProtocolOnlyTrainer()
+    trainer.processes = processes
+    assert train(cfg, "http://127.0.0.1:9", trainer=trainer) == 0
+    steps = [c for c in trainer.calls if c.startswith(("ensure", "broadcast"))]
+    if processes == 1:
+        assert steps == ["ensure_engines", "broadcast 1", "broadcast 2", "broadcast 3"]
+    else:
+        assert steps == ["ensure_engines", "broadcast 1", "ensure_engines", "broadcast 2", "ensure_engines",
+                         "broadcast 3"]
