@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 # order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
-.PHONY: install pins fuzz chaos run compare compare-algorithms compare-critic compare-domains step-cost rehearsal-seeds compare-tools compare-trl test test-quick test-gpu bench lint format openapi config-reference clean data-orz run-orz-cpu run-1gpu run-7b run-32b
+.PHONY: install pins fuzz chaos run compare compare-algorithms compare-critic compare-domains compare-long step-cost rehearsal-seeds compare-tools compare-trl test test-quick test-gpu bench lint format openapi config-reference clean data-orz run-orz-cpu run-1gpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -143,6 +143,11 @@ run-32b:
 # wall-clock time and samples, in bench/results/tiny_sync_vs_pipelined.png.
 compare: $(STAMP)
 	$(BIN)/python -m bench.pipeline_vs_sync --compare
+
+# synchronous vs one-step off-policy vs pipelined RL on long-tailed answers (recipes/counting_long_cpu.yaml), to the
+# same held-out accuracy, several seeds (bench/compare_long.py). ARGS="--seeds 0 --steps 30" for a shorter race
+compare-long: $(STAMP)
+	$(BIN)/python -m bench.compare_long $(ARGS)
 
 # every RL algorithm on the tiny recipe, side by side (docs/algorithms.md)
 compare-algorithms: $(STAMP)

@@ -74,3 +74,46 @@ def test_step_cost_splits_each_interval_into_its_stages():
     for stage in got:
         assert sum(stage[key] for _, key in STAGES) == pytest.approx(stage["interval_s"])
     assert stage_rows(rows, skip=1) == got[1:]
+
+
+# --- bench/compare_long.py: the race to the synchronous run's accuracy ----------------------------------------------
+
+def _race_run(points: list[tuple[float, float]], samples_per_s: float = 1.0) -> dict:
+    evals = [{"step": 10 * i, "accuracy": acc, "train_s": t} for i, (t, acc) in enumerate(points)]
+    return {"evals": evals, "samples_per_s": samples_per_s, "end_s": points[-1][0]}
+
+
+def test_the_race_sets_targets_from_the_synchronous_mean_curve_and_times_each_arm_on_its_own():
+    from bench.compare_long import analyse
+
+    sync = [_race_run([(0, 0.1), (100, 0.2), (200, 0.5)]), _race_run([(0, 0.1), (120, 0.4), (220, 0.5)])]
+    fast = [_race_run([(0, 0.1), (40, 0.45), (80, 0.6)], 3.0), _race_run([(0, 0.1), (60, 0.35), (100, 0.5)], 2.0)]
+    got = analyse({"sync": sync, "pipelined": fast})
+    assert got["base_accuracy"] == pytest.approx(0.1) and got["sync_final_accuracy"] == pytest.approx(0.5)
+    assert got["targets"]["50%"] == pytest.approx(0.3) and got["targets"]["90%"] == pytest.approx(0.46)
+    s, p = got["arms"]["sync"], got["arms"]["pipelined"]
+    # the synchronous mean curve: (0, 0.1), (110, 0.3), (210, 0.5); the pipelined one (0, 0.1), (50, 0.4), (90, 0.55)
+    assert s["seconds_to_target"]["50%"] == pytest.approx(110)
+    assert p["seconds_to_target"]["50%"] == pytest.approx(50 * 2 / 3)
+    assert p["speedup_over_sync"]["50%"] == pytest.approx(110 / (100 / 3))
+    assert s["speedup_over_sync"]["90%"] == pytest.approx(1.0)
+    assert p["samples_per_s"] == pytest.approx(2.5) and p["samples_per_s_spread"] == [2.0, 3.0]
+    # equal wall-clock: when the faster arm finished (its mean end, 90 s), the synchronous one had its base only
+    assert got["equal_wall_clock_s"] == pytest.approx(90)
+    assert p["accuracy_at_equal_wall_clock"] == pytest.approx(0.55) and s["accuracy_at_equal_wall_clock"] == 0.1
+
+    flat = analyse({"sync": [_race_run([(0, 0.3), (100, 0.3)])], "pipelined": fast})
+    assert flat["targets"] == {} and "did not learn" in flat["why"]
+
+
+def test_the_race_arms_are_valid_settings_and_one_step_refuses_another_lag():
+    from bench.compare_long import ARMS, RECIPE, arm_overrides
+    from pipelinerl.config import ConfigError, load_config
+
+    for arm in ARMS:
+        cfg = load_config(RECIPE, ["run_dir=/tmp/x", "model.path=/tmp/m", *arm_overrides(arm, max_lag=2)])
+        assert cfg.actor.one_step_off_policy == (arm == "one_step")
+        assert cfg.actor.max_lag == {"sync": 0, "one_step": 1, "pipelined": 2}[arm]
+    with pytest.raises(ConfigError, match="actor.one_step_off_policy.*actor.max_lag: 1"):
+        load_config(RECIPE, ["run_dir=/tmp/x", "model.path=/tmp/m", "actor.one_step_off_policy=true",
+                             "actor.max_lag=2"])

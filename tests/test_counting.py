@@ -13,6 +13,7 @@ from pipelinerl.tasks import check_task
 from pipelinerl.tasks.counting import CountingTask, count_lines, parse_final_answer, score_counting
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "counting_cpu.yaml"
+LONG_RECIPE = RECIPE.with_name("counting_long_cpu.yaml")
 
 
 def score(problem: dict, completion: str, finish_reason: str = "stop") -> float:
@@ -72,8 +73,9 @@ def test_answers_are_long_and_splits_disjoint():
         CountingTask(digits=2, num_train=1000)
 
 
-def test_the_recipe_builds_its_task_and_fits_its_answers():
-    cfg = load_config(RECIPE)
+@pytest.mark.parametrize("recipe", [RECIPE, LONG_RECIPE], ids=["counting_cpu", "counting_long_cpu"])
+def test_the_recipe_builds_its_task_and_fits_its_answers(recipe):
+    cfg = load_config(recipe)
     task = check_task(cfg.task)
     assert isinstance(task, CountingTask)
     prompt_len = max(len(task.prompt(p)) for p in task.eval_problems())
@@ -81,4 +83,22 @@ def test_the_recipe_builds_its_task_and_fits_its_answers():
     assert cfg.sampling.max_new_tokens >= answer_len >= 128
     assert cfg.engine.max_model_len >= prompt_len + cfg.sampling.max_new_tokens
     with pytest.raises(ConfigError, match="task.args"):
-        check_task(load_config(RECIPE, ["task.args.digits=9"]).task)
+        check_task(load_config(recipe, ["task.args.digits=9"]).task)
+
+
+def test_long_tailed_answers_span_twenty_times_with_the_median_far_below_the_longest():
+    """lines_max: each problem its own number of lines, log-uniform, stated in the prompt (the long-tail workload
+    of recipes/counting_long_cpu.yaml); a problem's lines do not depend on how many problems are drawn."""
+    task = CountingTask(lines=1, lines_max=48, num_train=4000, num_eval=100)
+    train = task.train_problems()
+    lengths = sorted(len(task.target(p)) for p in train)
+    assert lengths[-1] >= 20 * lengths[0] and lengths[len(lengths) // 2] <= lengths[-1] / 4
+    assert {p["lines"] for p in train} == set(range(1, 49))
+    for p in train[:50]:
+        assert task.prompt(p) == f"{str(p['start']).zfill(3)[::-1]} {p['step']} {p['lines']}\n"
+        assert len(task.target(p).splitlines()) == p["lines"] + 1 and score(p, task.target(p)) == 1.0
+    assert [p["lines"] for p in CountingTask(lines=1, lines_max=48, num_train=10).train_problems()] == [
+        p["lines"] for p in train[:10]]
+    assert CountingTask().prompt(train[0]).count(" ") == 1  # without lines_max the prompt is as it was
+    with pytest.raises(ValueError, match="lines_max"):
+        CountingTask(lines=12, lines_max=4)

@@ -89,6 +89,29 @@ def test_pipelined_run_updates_engines_in_flight(tmp_path):
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
 
 
+def test_one_step_off_policy_generates_each_batch_by_the_version_before_the_one_it_is_trained_at(tmp_path):
+    """actor.one_step_off_policy (the baseline of verl's and TRL's asynchronous mode): batch k is generated whole
+    by version k - 1 while the trainer trains on batch k - 1, and no update lands in the middle of a batch."""
+    from pipelinerl.config import StreamsConfig
+    from pipelinerl.streams import open_reader
+
+    run_dir = tmp_path / "run"
+    r = launch(run_dir, "trainer.max_steps=6", "actor.max_lag=1", "actor.one_step_off_policy=true",
+               "sampling.max_new_tokens=160", "engine.max_model_len=192")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, 7))
+    samples = list(open_reader(StreamsConfig(), run_dir, "samples").read())
+    per_batch = 16
+    for i, sample in enumerate(samples[:6 * per_batch]):
+        batch = i // per_batch
+        assert set(sample["versions"]) == {max(0, batch - 1)}, (i, sorted(set(sample["versions"])))
+    assert all(row["lag_max"] <= 1 and row["mixed_version_frac"] == 0 and row["stale_dropped"] == 0 for row in rows)
+    assert all(row["next_batch_wait_s"] >= 0 for row in rows) and rows[-1]["next_batch_wait_s"] == 0
+    engine = json.loads((run_dir / "engine0_metrics.json").read_text())
+    assert engine["pipelinerl_weight_updates_while_running_total"] == 0
+
+
 def test_synchronous_mode_never_trains_on_stale_samples(tmp_path):
     r = launch(tmp_path / "run", "trainer.max_steps=4", "actor.max_lag=0", "metrics.tensorboard=true",
                "trainer.export_every=3", "trainer.entropy_coef=0.01")  # (a gradient though every answer is wrong)

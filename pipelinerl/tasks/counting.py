@@ -22,11 +22,17 @@ Only the final line is scored: the digits after "answer " must be the last numbe
 zero-padded: "answer 21" for 12 at 3 digits is wrong, "answer 210" right); a wrong line on the way makes it
 wrong. The held-out set is drawn first from its own seeded stream and the training set excludes it, as in
 `arithmetic`.
+
+With `lines_max`, the answers' lengths are long-tailed as reasoning traces are (issue 51: a synchronous step waits
+for its longest answer): each problem counts for its own number of lines, drawn log-uniformly from `lines` to
+`lines_max` (1 to 48 at 3 digits: answers of 20 to 490 characters, the median 70, the mean 127), and the prompt
+says how many after the step ("731 8 12"). Without it the prompt and the answers stay as above.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import random
 from dataclasses import dataclass
 
@@ -71,10 +77,12 @@ def score_counting(item: dict) -> RewardResult:
 
 @dataclass
 class CountingTask:
-    """Count on from a random `digits`-digit start in steps of a random digit 1-9, for `lines` lines."""
+    """Count on from a random `digits`-digit start in steps of a random digit 1-9, for `lines` lines (with
+    `lines_max`: a number of lines per problem, log-uniform from `lines` to `lines_max`, stated in the prompt)."""
 
     digits: int = 3
     lines: int = 12
+    lines_max: int | None = None
     num_train: int = 4000
     num_eval: int = 200
     seed: int = 0
@@ -86,6 +94,8 @@ class CountingTask:
             raise ValueError(f"digits must be 1..8, got {self.digits}")
         if not 1 <= self.lines <= 64:
             raise ValueError(f"lines must be 1..64, got {self.lines}")
+        if self.lines_max is not None and not self.lines <= self.lines_max <= 256:
+            raise ValueError(f"lines_max must be in lines..256 (lines={self.lines}) or null, got {self.lines_max}")
         space = 9 * 10**self.digits
         if self.num_train + self.num_eval > space // 2:
             raise ValueError(f"num_train + num_eval = {self.num_train + self.num_eval} is more than half of the "
@@ -102,9 +112,15 @@ class CountingTask:
     def _train_keys(self) -> list[tuple[int, int]]:
         return self._draw(self.num_train, random.Random(f"{self.seed}-counting-train"), frozenset(self._eval_keys))
 
+    def _lines(self, split: str, i: int) -> int:
+        if self.lines_max is None:
+            return self.lines
+        rng = random.Random(f"{self.seed}-counting-{split}-{i}-lines")  # a problem's own, whatever else is drawn
+        return min(self.lines_max, int(math.exp(rng.uniform(math.log(self.lines), math.log(self.lines_max + 1)))))
+
     def _problem(self, split: str, i: int, key: tuple[int, int]) -> dict:
         return {"id": f"counting-{split}-{i}", "start": key[0], "step": key[1], "digits": self.digits,
-                "lines": self.lines}
+                "lines": self._lines(split, i)}
 
     def train_problems(self) -> list[dict]:
         return [self._problem("train", i, key) for i, key in enumerate(self._train_keys)]
@@ -113,7 +129,8 @@ class CountingTask:
         return [self._problem("eval", i, key) for i, key in enumerate(self._eval_keys)]
 
     def prompt(self, problem: dict) -> str:
-        return f"{written(problem['start'], problem['digits'])} {problem['step']}\n"
+        lines = f" {problem['lines']}" if self.lines_max is not None else ""
+        return f"{written(problem['start'], problem['digits'])} {problem['step']}{lines}\n"
 
     def target(self, problem: dict, eos: str = "") -> str:
         return "\n".join(count_lines(problem["start"], problem["step"], problem["digits"], problem["lines"])) + eos
