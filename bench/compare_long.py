@@ -19,7 +19,9 @@ Per arm, over its seeds: samples/s over the training period, the generated answe
 curve on the trainer's clock (held-out evaluations' own time left out; every arm evaluates at the same steps).
 Targets are 50 / 75 / 90% of the way from the base model's accuracy to the synchronous arm's final one (means
 over seeds); each arm's time to each, on its mean curve (accuracy and clock averaged per evaluation step), and
-the synchronous time over it; and each arm's accuracy at the time the fastest arm finished (equal wall-clock).
+the synchronous time over it, with each seed's own time beside it (the synchronous arm reaches its own mean's
+targets by construction, the others must beat its noise: read the ratios with the spread); and each arm's accuracy
+at the time the fastest arm finished, its last evaluation included (equal wall-clock).
 Writes bench/results/compare_long.{json,png}; prints the table for docs/benchmarks.md.
 """
 
@@ -104,6 +106,10 @@ def analyse(runs: dict[str, list[dict]]) -> dict:
         if not rs:
             continue
         times = {name: time_to_accuracy(curves[arm], acc) for name, acc in targets.items()}
+        # each seed on its own too: the mean curve's time hides the spread (and the targets come from the
+        # synchronous arm's own mean, which that arm reaches by construction)
+        per_seed = {name: [time_to_accuracy([(e["train_s"], e["accuracy"]) for e in r["evals"]], acc) for r in rs]
+                    for name, acc in targets.items()}
         speedup = {name: (sync_times[name] / t if t and sync_times[name] is not None else None)
                    for name, t in times.items()}
         finals = [r["evals"][-1]["accuracy"] for r in rs]
@@ -114,7 +120,7 @@ def analyse(runs: dict[str, list[dict]]) -> dict:
             "final_accuracy": statistics.mean(finals),
             "final_accuracy_sd": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "seconds": statistics.mean(r["end_s"] for r in rs),
-            "seconds_to_target": times, "speedup_over_sync": speedup,
+            "seconds_to_target": times, "speedup_over_sync": speedup, "seconds_to_target_per_seed": per_seed,
             "accuracy_at_equal_wall_clock": accuracy_at(curves[arm], equal_t),
             "curve": curves[arm],
         }
@@ -125,8 +131,10 @@ def analyse(runs: dict[str, list[dict]]) -> dict:
 def summarise_run(rows: list[dict], run_dir: Path, skip: int) -> dict:
     curves = pipelinerl_curves(rows)
     steps = curves["steps"]
+    # the run ends with its last evaluation, written after the last step's row
+    end_s = max([s["train_s"] for s in steps[-1:]] + [e["train_s"] for e in curves["evals"][-1:]], default=0.0)
     return {"evals": curves["evals"], "samples_per_s": throughput(rows, skip),
-            "end_s": steps[-1]["train_s"] if steps else 0.0, "lengths": length_summary(answer_lengths(run_dir)),
+            "end_s": end_s, "lengths": length_summary(answer_lengths(run_dir)),
             "lag_max": max((r.get("lag_max", 0) for r in rows if "samples_per_s" in r), default=0)}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.pipeline_vs_sync import summarize
@@ -98,6 +100,7 @@ def test_the_race_sets_targets_from_the_synchronous_mean_curve_and_times_each_ar
     assert p["speedup_over_sync"]["50%"] == pytest.approx(110 / (100 / 3))
     assert s["speedup_over_sync"]["90%"] == pytest.approx(1.0)
     assert p["samples_per_s"] == pytest.approx(2.5) and p["samples_per_s_spread"] == [2.0, 3.0]
+    assert p["seconds_to_target_per_seed"]["50%"] == pytest.approx([40 * 0.2 / 0.35, 60 * 0.2 / 0.25])
     # equal wall-clock: when the faster arm finished (its mean end, 90 s), the synchronous one had its base only
     assert got["equal_wall_clock_s"] == pytest.approx(90)
     assert p["accuracy_at_equal_wall_clock"] == pytest.approx(0.55) and s["accuracy_at_equal_wall_clock"] == 0.1
@@ -117,3 +120,17 @@ def test_the_race_arms_are_valid_settings_and_one_step_refuses_another_lag():
     with pytest.raises(ConfigError, match="actor.one_step_off_policy.*actor.max_lag: 1"):
         load_config(RECIPE, ["run_dir=/tmp/x", "model.path=/tmp/m", "actor.one_step_off_policy=true",
                              "actor.max_lag=2"])
+
+
+def test_a_race_run_ends_with_its_last_evaluation():
+    """The last held-out evaluation's row comes after the last step's: the run's end (equal wall-clock) is there,
+    so the fastest arm's final accuracy counts at its own end."""
+    from bench.compare_long import summarise_run
+
+    rows = [{"step": 0, "time": 0.0, "eval_accuracy": 0.1, "eval_seconds": 5.0}]
+    for step in (1, 2):
+        rows.append({"step": step, "time": 5.0 + 10 * step, "samples": 4, "samples_total": 4 * step,
+                     "samples_per_s": 0.4})
+    rows.append({"step": 2, "time": 25.5, "eval_accuracy": 0.3, "eval_seconds": 5.0})
+    got = summarise_run(rows, Path("/nonexistent"), skip=0)
+    assert got["end_s"] == pytest.approx(20.5) and got["evals"][-1]["train_s"] == pytest.approx(20.5)

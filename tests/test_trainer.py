@@ -242,9 +242,12 @@ def test_a_cpu_trainer_steps_with_the_fused_adamw_to_the_default_ones_values(sma
     assert_same_params(params(trainer), params(reference), atol=1e-6)
     assert max(float((got - start[n]).abs().max()) for n, got in params(trainer).items()) > 1e-3
     save_checkpoint(trainer, checkpoint_dir(tmp_path, 3), {})
-    resumed = Trainer(str(small_model_dir), cfg, seed=2)
-    load_checkpoint(resumed, checkpoint_dir(tmp_path, 3))
-    assert all(g["fused"] for g in inner(resumed.optimizer).param_groups)
+    save_checkpoint(reference, checkpoint_dir(tmp_path / "unfused", 3), {})  # as one saved before AdamW was fused
+    for saved in (checkpoint_dir(tmp_path, 3), checkpoint_dir(tmp_path / "unfused", 3)):
+        resumed = Trainer(str(small_model_dir), cfg, seed=2)
+        load_checkpoint(resumed, saved)
+        for opt in (resumed.optimizer, resumed.critic.optimizer):
+            assert all(g["fused"] for g in inner(opt).param_groups), saved
 
 
 def test_parameters_laid_out_for_the_wire_train_save_and_resume_the_same(small_model_dir, tmp_path):

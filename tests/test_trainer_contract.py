@@ -161,3 +161,27 @@ def test_engines_heard_from_within_a_second_are_not_checked_again_by_one_process
     else:
         assert steps == ["ensure_engines", "broadcast 1", "ensure_engines", "broadcast 2", "ensure_engines",
                          "broadcast 3"]
+
+
+def test_a_stop_while_one_step_off_policy_waits_for_the_next_batch_saves_the_trained_step(tmp_path):
+    """actor.one_step_off_policy: after a step the trainer waits for the next batch before sending the weights;
+    a stop then records and saves the step it trained (its broadcast skipped), so a rerun redoes nothing."""
+    import signal
+    import threading
+
+    from pipelinerl.train import StopSignals
+
+    cfg = _run(tmp_path, 3, "actor.max_lag=1", "actor.one_step_off_policy=true")  # three groups: a batch and a half
+    trainer, stop = ProtocolOnlyTrainer(), StopSignals()
+    timer = threading.Timer(1.5, lambda: setattr(stop, "signum", signal.SIGTERM))
+    timer.start()
+    try:
+        assert train(cfg, "http://127.0.0.1:9", stop=stop, trainer=trainer) == 128 + signal.SIGTERM
+    finally:
+        timer.cancel()
+    assert trainer.batches == [["g0", "g0", "g1", "g1"]]
+    assert [c for c in trainer.calls if c.startswith("broadcast")] == []  # the weights wait for the next batch
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "samples" in r] == [1] and rows[-1]["next_batch_wait_s"] >= 1.0
+    state = json.loads((latest_checkpoint(tmp_path) / STATE_FILE).read_text())
+    assert state["version"] == 1 and state["data_position"]["consumed_samples"] == 4

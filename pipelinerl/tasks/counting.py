@@ -116,7 +116,8 @@ class CountingTask:
         if self.lines_max is None:
             return self.lines
         rng = random.Random(f"{self.seed}-counting-{split}-{i}-lines")  # a problem's own, whatever else is drawn
-        return min(self.lines_max, int(math.exp(rng.uniform(math.log(self.lines), math.log(self.lines_max + 1)))))
+        drawn = int(math.exp(rng.uniform(math.log(self.lines), math.log(self.lines_max + 1))))
+        return min(self.lines_max, max(self.lines, drawn))  # (exp(log(n)) can round to just below n)
 
     def _problem(self, split: str, i: int, key: tuple[int, int]) -> dict:
         return {"id": f"counting-{split}-{i}", "start": key[0], "step": key[1], "digits": self.digits,
