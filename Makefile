@@ -28,7 +28,7 @@ PYTEST_ARGS ?=
 # order tests/conftest.py gives them
 TEST_WORKERS ?= 2
 
-.PHONY: install pins fuzz chaos run compare compare-algorithms compare-critic compare-domains compare-long step-cost rehearsal-seeds compare-tools compare-trl test test-quick test-gpu bench lint format openapi config-reference clean data-orz run-orz-cpu run-1gpu run-7b run-32b
+.PHONY: install pins fuzz chaos run compare compare-algorithms compare-presets compare-critic compare-domains compare-long step-cost rehearsal-seeds compare-tools compare-trl test test-quick test-gpu bench lint format openapi config-reference clean data-orz run-orz-cpu run-1gpu run-7b run-32b
 
 install: $(STAMP)
 
@@ -152,6 +152,10 @@ compare-long: $(STAMP)
 # every RL algorithm on the tiny recipe, side by side (docs/algorithms.md)
 compare-algorithms: $(STAMP)
 	$(BIN)/python -m bench.algorithms
+
+# the papers' presets (recipes/presets/) on the tiny recipe at its scale, 3 seeds each (docs/algorithms.md)
+compare-presets: $(STAMP)
+	$(BIN)/python -m bench.algorithms --presets $(ARGS)
 
 # why PPO with a critic collapsed in the ORZ rehearsal: ten arms x 6 seeds of recipes/orz_cpu.yaml, 50 steps each,
 # two runs side by side (docs/algorithms.md; about 1.5 min a run on 2 cores). ARGS="--only A,I --seeds 3"

@@ -8,12 +8,23 @@ of every run against time and samples) and prints a Markdown table for docs/algo
 
 One run per algorithm at one seed on a tiny task: the table shows that each one learns and what its own numbers
 (clip fractions, the critic's loss) look like, not which algorithm is better at scale.
+
+`--presets [--seeds N]` (`make compare-presets`) runs the papers' presets instead (`recipes/presets/`: orz,
+prorl_v2, dapo, areal, pipelinerl, gspo), each loaded onto the tiny recipe as a user loads it (`preset=NAME`), N
+seeds each (3 by default), every run from the same base model. The presets' learning rates and batch shapes are
+those of 7B-scale runs (ORZ's 1e-6, 8,192 samples a step), which a tiny model on 2 cores cannot use: each runs
+its method (loss, clip range, advantage estimator, aggregation, critic updates, dynamic sampling, max_lag, caps)
+at the recipe's scale (`PRESET_SCALE`: its learning rate and warm-up, 64 samples a step in groups of 8; a critic
+at 5x the policy's learning rate, ORZ's ratio). Writes bench/results/presets.{json,png} (the held-out curves' mean
+and spread per preset).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -32,6 +43,16 @@ ALGORITHMS: dict[str, list[str]] = {
     "ppo + critic, gae (ORZ)": ["trainer.advantage=gae", "trainer.critic.lr=1e-4", "trainer.critic.updates=4",
                                 "actor.dynamic_sampling=false"],
 }
+
+
+PRESETS = ("orz", "prorl_v2", "dapo", "areal", "pipelinerl", "gspo")
+# the tiny recipe's scale, kept under every preset (see the module docstring); a critic only where there is one
+PRESET_SCALE = ["trainer.lr=7e-4", "trainer.warmup_steps=10", "trainer.samples_per_step=64", "sampling.group_size=8"]
+PRESET_CRITIC_SCALE = ["trainer.critic.lr=3.5e-3", "trainer.critic.warmup_updates=20"]
+
+
+def preset_overrides(name: str) -> list[str]:
+    return [f"preset={name}", *PRESET_SCALE, *(PRESET_CRITIC_SCALE if name == "orz" else [])]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -114,12 +135,92 @@ def compare(steps: int, names: list[str], out_dir: Path = RESULTS_DIR) -> dict:
     return out
 
 
+def compare_presets(steps: int, names: list[str], seeds: int, out_dir: Path = RESULTS_DIR) -> dict:
+    """Every preset in `names` at `seeds` seeds (seed by seed: a shortened run still compares them on one set)."""
+    runs_root = ROOT / "runs" / "presets"
+    common = [f"model.path={ROOT / 'runs' / 'algorithms' / 'base_model'}", "model.seed=0",
+              f"trainer.max_steps={steps}", f"trainer.eval_every={max(1, steps // 3)}", "trainer.save_every=0",
+              "trainer.save_every_minutes=0"]
+    results: dict[str, dict] = {name: {"overrides": preset_overrides(name), "runs": []} for name in names}
+    for seed in range(seeds):
+        for name in names:
+            run_dir = runs_root / name / f"seed{seed}"
+            shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short would resume from its checkpoint
+            t0 = time.perf_counter()
+            rows = launch(run_dir, [*common, *preset_overrides(name), f"seed={seed}"])
+            results[name]["runs"].append({"seed": seed, **summarise(rows)})
+            print(f"== {name} seed {seed}: {time.perf_counter() - t0:.0f} s; held-out "
+                  f"{results[name]['runs'][-1]['eval_accuracy']}", flush=True)
+    for r in results.values():
+        ends = [run["eval_accuracy"][-1][1] for run in r["runs"]]
+        r["held_out_end_mean"] = statistics.mean(ends)
+        r["held_out_end_sd"] = statistics.stdev(ends) if len(ends) > 1 else 0.0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = plot_presets(results, out_dir / "presets.png")
+    out = {"steps": steps, "seeds": seeds, "recipe": "recipes/tiny_cpu.yaml", "scale": PRESET_SCALE,
+           "results": results, "png": str(png), "machine": machine()}
+    (out_dir / "presets.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def plot_presets(results: dict[str, dict], out: Path) -> Path:
+    """Held-out accuracy against steps: each preset's mean over its seeds, its range shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, r) in enumerate(results.items()):
+        curves = [dict(run["eval_accuracy"]) for run in r["runs"]]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        values = [[c[s] for c in curves] for s in steps]
+        ax.plot(steps, [statistics.mean(v) for v in values], marker="o", color=f"C{i}",
+                label=f"{name} ({len(curves)} seeds)")
+        ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{i}", alpha=0.15)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out pass@1")
+    ax.set_title("the papers' presets on the tiny recipe, at its scale: mean and range over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _mean_pair(runs: list[dict], key: str) -> str:
+    """A first -> last pair's mean over the runs that have it."""
+    pairs = [run[key] for run in runs if run[key][0] is not None]
+    return "" if not pairs else _cell([statistics.mean(p[0] for p in pairs), statistics.mean(p[1] for p in pairs)])
+
+
+def presets_table(results: dict[str, dict]) -> str:
+    lines = ["| preset | seeds | held-out pass@1 at the end (mean ± sd) | per seed, start -> end | training reward, "
+             "first -> last tenth (mean) | clip fraction, first -> last tenth (mean) | training seconds (mean) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in results.items():
+        runs = r["runs"]
+        per_seed = "; ".join(f"{run['eval_accuracy'][0][1]:.3f} -> {run['eval_accuracy'][-1][1]:.3f}" for run in runs)
+
+        seconds = statistics.mean(run["train_seconds"] for run in runs)
+        lines.append(f"| {name} | {len(runs)} | {r['held_out_end_mean']:.3f} ± {r['held_out_end_sd']:.3f} | "
+                     f"{per_seed} | {_mean_pair(runs, 'reward_mean_first_last_tenth')} | "
+                     f"{_mean_pair(runs, 'clip_frac_first_last_tenth')} | {seconds:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.algorithms", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150, help="RL steps per algorithm (default 150)")
-    parser.add_argument("--only", default="", help="comma-separated names, as listed in ALGORITHMS")
+    parser.add_argument("--only", default="", help="comma-separated names, as listed in ALGORITHMS (or PRESETS)")
+    parser.add_argument("--presets", action="store_true", help="the papers' presets instead, several seeds each")
+    parser.add_argument("--seeds", type=int, default=3, help="with --presets: seeds per preset (default 3)")
     args = parser.parse_args(argv)
+    if args.presets:
+        return run_comparison(parser, args.only, list(PRESETS),
+                              lambda names: compare_presets(args.steps, names, args.seeds), presets_table)
     return run_comparison(parser, args.only, list(ALGORITHMS), lambda names: compare(args.steps, names), table)
 
 

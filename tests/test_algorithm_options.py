@@ -268,3 +268,20 @@ def test_a_recipe_names_its_preset_and_its_own_keys_win(tmp_path):
     assert (t.policy_loss, t.aggregation, t.clip_high) == ("ppo_clip", "token_mean", 0.3)
     with pytest.raises(ConfigError, match="preset 'nope': no such preset; available: areal, dapo"):
         load_config(ROOT / "recipes" / "tiny_cpu.yaml", ["run_dir=/tmp/u", "preset=nope"])
+
+
+def test_make_compare_presets_runs_each_papers_method_at_the_tiny_recipes_scale():
+    """bench/algorithms.py --presets: every preset loads onto the tiny recipe with the recipe's scale kept (its
+    learning rate, batch and group), its method (loss, estimator, clip, dynamic sampling) the preset's."""
+    from bench.algorithms import PRESETS, preset_overrides
+
+    assert set(PRESETS) == set(preset_names())
+    for name in PRESETS:
+        cfg = load_config(ROOT / "recipes" / "tiny_cpu.yaml", ["run_dir=/tmp/u", *preset_overrides(name)])
+        paper = load_config(ROOT / "recipes" / "tiny_cpu.yaml", ["run_dir=/tmp/u", f"preset={name}"])
+        assert (cfg.trainer.lr, cfg.trainer.samples_per_step, cfg.sampling.group_size) == (7e-4, 64, 8), name
+        for key in ("policy_loss", "advantage", "clip_low", "clip_high", "aggregation"):
+            assert getattr(cfg.trainer, key) == getattr(paper.trainer, key), (name, key)
+        assert cfg.actor.dynamic_sampling == paper.actor.dynamic_sampling
+    orz = load_config(ROOT / "recipes" / "tiny_cpu.yaml", ["run_dir=/tmp/u", *preset_overrides("orz")]).trainer
+    assert orz.critic.lr == 5 * orz.lr and orz.critic.updates == 12  # ORZ's ratio and its updates
