@@ -246,31 +246,33 @@ class SampleFeed:
                 on_dropped(len(fresh))
         return fresh, dropped
 
-    def wait_until_buffered(self, n: int, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Return once at least `n` samples are in the stream after those taken (raises `StopRequested` when
-        `should_stop` says so meanwhile)."""
+    def _poll(self, done: Callable[[], bool], should_stop: Callable[[], bool]) -> None:
+        """Read the stream until `done()` says so after a read; raises `StopRequested` when `should_stop` does."""
         wait = PollWait()
         while True:
             self._fill(block=False)
-            if len(self.buffer) >= n:
+            if done():
                 return
             if should_stop():
                 raise StopRequested
             wait.sleep()
 
+    def wait_until_buffered(self, n: int, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Return once at least `n` samples are in the stream after those taken (raises `StopRequested` when
+        `should_stop` says so meanwhile)."""
+        self._poll(lambda: len(self.buffer) >= n, should_stop)
+
     def take_groups(self, max_groups: int, should_stop: Callable[[], bool] = lambda: False) -> list[list[Sample]]:
         """Up to `max_groups` whole groups: those complete in the stream now, or (if none) the first to complete."""
         groups: list[list[Sample]] = []
-        wait = PollWait()
-        while True:
-            self._fill(block=False)
+
+        def taken() -> bool:
             while len(groups) < max_groups and (group := self._pop_group()) is not None:
                 groups.append([Sample.model_validate(record) for record in group])
-            if groups or max_groups <= 0:
-                return groups
-            if should_stop():
-                raise StopRequested
-            wait.sleep()
+            return bool(groups) or max_groups <= 0
+
+        self._poll(taken, should_stop)
+        return groups
 
     def take_dropped_groups(self) -> list[str]:
         """The ids of the groups dropped since the last call."""

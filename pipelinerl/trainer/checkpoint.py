@@ -71,8 +71,9 @@ def load_checkpoint(trainer: Trainer, ckpt_dir: str | os.PathLike) -> dict[str, 
     state = json.loads((src / STATE_FILE).read_text())
     trainer.accelerator.load_state(str(src))
     if trainer.fused_adamw:  # loading replaces the param groups: one saved before AdamW was fused says None
-        for optimizer in (trainer.optimizer, getattr(trainer.critic, "optimizer", None)):
-            for group in getattr(optimizer, "optimizer", optimizer).param_groups if optimizer is not None else ():
+        critic = trainer.critic.optimizer if trainer.critic is not None else None
+        for optimizer in filter(None, (trainer.optimizer, critic)):
+            for group in optimizer.param_groups:
                 group["fused"] = True
     trainer.load_state_dict(state)
     if trainer.ref_model is not None:
